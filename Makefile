@@ -1,0 +1,44 @@
+# gpu-node-agent developer commands. `make demo` and `make test` set themselves up from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gpu-agent simulate --node dgx-h100
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check agent tests
+	$(VENV)/bin/mypy --strict agent
+
+protos: $(STAMP)
+	hack/protos.sh
+
+testbin:
+	hack/testbin.sh
+
+kubelet-harness: testbin
+	hack/kubelet-harness.sh
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest tests/unit -q
+
+test: $(STAMP)
+	hack/test.sh
+
+bench: $(STAMP)
+	$(PY) bench/allocator_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

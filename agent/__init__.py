@@ -1,0 +1,1 @@
+"""gpu-node-agent: one node agent for GPU nodes in Kubernetes."""

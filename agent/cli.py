@@ -1,0 +1,224 @@
+"""The gpu-agent command: run | inspect | simulate. Errors become one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.config import ConfigError, load_config
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(fmt: str, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _add_nvml(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--nvml", default=default, metavar="real|mock:PRESET|mock:FILE",
+                   help=f"NVML backend (default: {default})")
+    p.add_argument("--mock-state", type=Path, metavar="FILE",
+                   help="persist the fake NVML's mutable state (MIG, faults) in FILE")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="gpu-agent", description="Node agent for GPU nodes in Kubernetes.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the agent (device plugin, health)")
+    run.add_argument("--config", type=Path, metavar="FILE", help="agent config file (version: v1)")
+    _add_nvml(run, "real")
+    run.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+                     help="the kubelet's device-plugin directory (default: %(default)s)")
+    run.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
+                     help="this node's name (default: $NODE_NAME)")
+    kube = run.add_mutually_exclusive_group()
+    kube.add_argument("--kubeconfig", type=Path, metavar="FILE", help="kubeconfig (default: in-cluster)")
+    kube.add_argument("--no-kube", action="store_true", help="do not talk to the API server")
+    run.add_argument("--metrics-port", type=int, default=9400,
+                     help="port for /metrics, /healthz, /readyz; 0 picks a free port (default: %(default)s)")
+    run.add_argument("--log-format", choices=("text", "json"), default="text")
+
+    inspect = sub.add_parser("inspect", help="print what the agent sees through NVML")
+    _add_nvml(inspect, "real")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sim = sub.add_parser("simulate", help="run the whole agent on a simulated node and show the node")
+    sim.add_argument("--node", required=True, metavar="PRESET|FILE", help="simulated node preset or file")
+    sim.add_argument("--config", type=Path, metavar="FILE", help="agent config file (version: v1)")
+    sim.add_argument("--mock-state", type=Path, metavar="FILE", help="persist the fake NVML's state in FILE")
+    sim.add_argument("--json", action="store_true", help="machine-readable output")
+    return top
+
+
+def _backend(selector: str, mock_state: Path | None) -> Any:
+    from agent.nvml.backend import open_backend
+    from agent.nvml.nodefile import NodeFileError
+
+    try:
+        return open_backend(selector, mock_state)
+    except (NodeFileError, ValueError) as err:
+        raise CliError(str(err)) from err
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.daemon import Agent, AgentOptions, run_until_signal
+
+    setup_logging(args.log_format)
+    config = load_config(args.config)
+    if not args.kubelet_dir.is_dir():
+        raise CliError(f"kubelet directory {args.kubelet_dir} does not exist (set --kubelet-dir)")
+    if not args.no_kube:
+        raise CliError("publishing node labels and taints is not available in this version; pass --no-kube")
+    if not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    backend = _backend(args.nvml, args.mock_state)
+    agent = Agent(backend, AgentOptions(config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port))
+    return asyncio.run(run_until_signal(agent))
+
+
+def inspect_view(backend: Any) -> dict[str, Any]:
+    from agent.nvml.backend import NvmlBackend
+    from agent.topology.prefer import topology_of
+
+    def read(b: NvmlBackend) -> dict[str, Any]:
+        inv = b.inventory()
+        health = [b.health(g.index) for g in inv.gpus]
+        topo = topology_of(inv)
+        return {
+            "driver": {"version": inv.driver.version, "cuda": inv.driver.cuda},
+            "gpus": [
+                {
+                    "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
+                    "minor": g.minor, "memory_mib": g.memory_mib, "architecture": g.architecture,
+                    "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+                    "numa_node": g.numa_node, "mig_capable": g.mig_capable, "mig_enabled": g.mig_enabled,
+                    "mig_pending": g.mig_pending,
+                }
+                for g in inv.gpus
+            ],
+            "links": [{"gpus": [link.a, link.b], "nvlink": link.nvlink, "pcie": link.pcie} for link in inv.links],
+            "pair_scores": topo.pair_scores(),
+            "mig_devices": [
+                {"uuid": m.uuid, "gpu": m.parent_index, "profile": m.profile, "gpu_instance": m.gpu_instance_id,
+                 "compute_instance": m.compute_instance_id, "memory_mib": m.memory_mib,
+                 "placement": {"start": m.placement_start, "size": m.placement_size}}
+                for m in inv.mig_devices
+            ],
+            "health": [
+                {"gpu": g.index, "lost": h.lost, "ecc_uncorrected_volatile": h.ecc_uncorrected_volatile,
+                 "remapped_rows_pending": h.remapped_rows_pending, "remapped_rows_failure": h.remapped_rows_failure,
+                 "retired_pages_pending": h.retired_pages_pending}
+                for g, h in zip(inv.gpus, health, strict=True)
+            ],
+            "_topology": topo,
+        }
+
+    from agent.daemon import nvml_sync
+    from agent.nvml.backend import NvmlUnavailable
+
+    try:
+        view: dict[str, Any] = nvml_sync(backend, read)
+    except NvmlUnavailable as err:
+        raise CliError(str(err)) from err
+    return view
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from agent.topology.render import render_matrix
+
+    view = inspect_view(_backend(args.nvml, args.mock_state))
+    topo = view.pop("_topology")
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return 0
+    print(f"Driver {view['driver']['version']}  CUDA {view['driver']['cuda']}")
+    print(f"{'GPU':<4} {'Name':<26} {'UUID':<41} {'Bus':<17} {'Memory':>9} {'NUMA':>4}  MIG")
+    for g in view["gpus"]:
+        mig = "enabled" if g["mig_enabled"] else ("disabled" if g["mig_capable"] else "n/a")
+        numa = "-" if g["numa_node"] is None else g["numa_node"]
+        print(f"{g['index']:<4} {g['name'][:26]:<26} {g['uuid']:<41} {g['pci_bus_id']:<17} "
+              f"{g['memory_mib']:>5} MiB {numa:>4}  {mig}")
+    print()
+    print(render_matrix(topo))
+    if view["mig_devices"]:
+        print()
+        print("MIG devices:")
+        for m in view["mig_devices"]:
+            print(f"  GPU {m['gpu']}  {m['profile']:<10} {m['uuid']}  start={m['placement']['start']}")
+    print()
+    print("Health:")
+    for h in view["health"]:
+        state = "LOST" if h["lost"] else "ok"
+        print(f"  GPU {h['gpu']}: {state}  uncorrected ECC (volatile): {h['ecc_uncorrected_volatile']}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.simulate import describe, simulate
+
+    setup_logging("text", logging.WARNING)
+    config = load_config(args.config)
+    backend = _backend(f"mock:{args.node}", args.mock_state)
+    from agent.nvml.backend import NvmlUnavailable
+
+    try:
+        view = asyncio.run(simulate(backend, config, node_name=_node_name(args.node)))
+    except NvmlUnavailable as err:
+        raise CliError(str(err)) from err
+    print(json.dumps(view, indent=2) if args.json else describe(view))
+    return 0
+
+
+def _node_name(source: str) -> str:
+    return f"sim-{Path(source).stem}" if source.endswith((".yaml", ".yml")) else f"sim-{source}"
+
+
+COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "simulate": cmd_simulate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (CliError, ConfigError) as err:
+        print(f"gpu-agent {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

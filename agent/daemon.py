@@ -1,0 +1,174 @@
+"""Composition root: builds the parts, wires them, owns the event loop, the NVML thread and signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.config import AgentConfig
+from agent.deviceplugin.server import PluginSet
+from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.health.monitor import HealthMonitor
+from agent.inventory import GPU_RESOURCE, Device, resources
+from agent.metrics import HttpEndpoint, Metrics
+from agent.nvml.backend import NvmlBackend, NvmlUnavailable
+from agent.state import NodeState, StateBus
+from agent.topology.prefer import gpu_preference
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+NVML_INIT_ATTEMPTS = 5
+NVML_INIT_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    config: AgentConfig
+    kubelet_dir: Path
+    metrics_port: int | None = 9400
+    metrics_host: str = "0.0.0.0"
+
+
+class NvmlThread:
+    """Every NVML call runs on this one worker thread, so NVML is never entered concurrently."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+
+    async def __call__(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metrics) -> None:
+    """Run a long-lived task forever: log and count each failure, restart it with backoff."""
+    backoff = 0.5
+    while True:
+        try:
+            await run()
+            log.error("task %s returned; restarting", name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("task %s failed; restarting in %.1fs", name, backoff)
+        metrics.task_restarts.labels(task=name).inc()
+        await asyncio.sleep(backoff)
+        backoff = min(RESTART_BACKOFF_MAX_S, backoff * 2)
+
+
+class Agent:
+    """The running agent: NodeState bus, device-plugin servers, health monitor and HTTP endpoint."""
+
+    def __init__(self, backend: NvmlBackend, options: AgentOptions) -> None:
+        self.backend = backend
+        self.options = options
+        self.nvml = NvmlThread()
+        self.metrics = Metrics()
+        self.bus: StateBus | None = None
+        self.plugins: PluginSet | None = None
+        self.http: HttpEndpoint | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stopped = asyncio.Event()
+
+    def devices(self) -> dict[str, tuple[Device, ...]]:
+        assert self.bus is not None
+        return resources(self.bus.current, self.options.config)
+
+    def ready(self) -> tuple[bool, str]:
+        if self.bus is None:
+            return False, "NVML not initialised"
+        if self.plugins is None or not self.plugins.registered.is_set():
+            return False, "not registered with the kubelet"
+        return True, "ok"
+
+    async def _init_nvml(self) -> NodeState:
+        for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
+            try:
+                await self.nvml(self.backend.init)
+                break
+            except NvmlUnavailable as err:
+                if attempt == NVML_INIT_ATTEMPTS:
+                    raise
+                log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
+                await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
+        inventory = await self.nvml(self.backend.inventory)
+        return NodeState(version=1, inventory=inventory)
+
+    async def start(self) -> None:
+        opts = self.options
+        if opts.metrics_port is not None:
+            self.http = HttpEndpoint(self.metrics, self.ready)
+            await self.http.start(opts.metrics_port, opts.metrics_host)
+        state = await self._init_nvml()
+        self.bus = bus = StateBus(state)
+        self.metrics.watch_state(bus, self.devices)
+        config = opts.config
+        servicer = DevicePluginServicer(
+            GPU_RESOURCE,
+            bus,
+            lambda s: resources(s, config)[GPU_RESOURCE],
+            list_strategies=config.flags.plugin.device_list_strategy,
+            prefer=gpu_preference(lambda: bus.current),
+        )
+        self.plugins = PluginSet([servicer], opts.kubelet_dir)
+        monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self._spawn("device-plugins", self.plugins.run)
+        self._spawn("health", monitor.run)
+        log.info(
+            "agent started: %d GPU(s), driver %s, kubelet dir %s",
+            len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
+        )
+
+    def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
+
+    async def stop(self) -> None:
+        """Ordered shutdown: stop serving (brief grace for in-flight RPCs), remove sockets, release NVML."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.plugins is not None:
+            await self.plugins.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
+        with contextlib.suppress(Exception):
+            await self.nvml(self.backend.shutdown)
+        self.nvml.close()
+        self.stopped.set()
+
+
+async def run_until_signal(agent: Agent) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+        await stop.wait()
+        log.info("signal received; shutting down")
+    finally:
+        await agent.stop()
+    return 0
+
+
+def nvml_sync(backend: NvmlBackend, fn: Callable[[NvmlBackend], Any]) -> Any:
+    """Run one NVML operation synchronously (for one-shot commands such as inspect)."""
+    backend.init()
+    try:
+        return fn(backend)
+    finally:
+        backend.shutdown()

@@ -1,0 +1,163 @@
+"""Serves each resource on its own unix socket, registers with the kubelet and follows kubelet restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+API_VERSION = "v1beta1"
+REGISTER_TIMEOUT_S = 15.0
+"""The kubelet dials back (up to 10 s) and calls GetDevicePluginOptions before Register returns."""
+POLL_INTERVAL_S = 0.2
+"""How often the kubelet socket and the plugin sockets are checked; re-registration follows within this."""
+BACKOFF_MAX_S = 5.0
+
+
+def _slug(resource: str) -> str:
+    return resource.replace("/", "_").replace(".", "-")
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    """Identity of a socket file, or None when no socket is there."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
+
+async def register(kubelet_dir: Path, endpoint: str, resource: str, timeout: float = REGISTER_TIMEOUT_S) -> None:
+    """One Register call on a fresh channel (a reused channel can sit in reconnect backoff after a restart)."""
+    target = f"unix://{kubelet_dir / KUBELET_SOCKET}"
+    async with grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        stub = api_pb2_grpc.RegistrationStub(channel)
+        await stub.Register(
+            api_pb2.RegisterRequest(
+                version=API_VERSION,
+                endpoint=endpoint,
+                resource_name=resource,
+                options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+            ),
+            timeout=timeout,
+        )
+
+
+@dataclass
+class _Serving:
+    server: grpc.aio.Server
+    socket: Path
+    identity: tuple[int, int] | None
+
+
+class ResourcePlugin:
+    """One resource's gRPC server and its registration with the kubelet.
+
+    Each serve uses a new socket name, unique to this process and generation, so a kubelet that still holds
+    a stream to an earlier socket never mistakes the new one for it.
+    """
+
+    def __init__(self, servicer: DevicePluginServicer, kubelet_dir: Path, instance: str) -> None:
+        self.servicer = servicer
+        self.resource = servicer.resource
+        self.kubelet_dir = kubelet_dir
+        self._instance = instance
+        self._generation = 0
+        self._serving: _Serving | None = None
+        self.registered_kubelet: tuple[int, int] | None = None
+        self.registrations = 0
+
+    @property
+    def socket(self) -> Path | None:
+        return self._serving.socket if self._serving else None
+
+    async def serve(self) -> Path:
+        await self.stop()
+        self._generation += 1
+        path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        if not server.add_insecure_port(f"unix://{path}"):
+            raise OSError(f"cannot listen on {path}")
+        await server.start()
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)
+        self._serving = _Serving(server, path, _inode(path))
+        log.info("serving %s on %s", self.resource, path)
+        return path
+
+    def socket_intact(self) -> bool:
+        return self._serving is not None and _inode(self._serving.socket) == self._serving.identity
+
+    async def register(self, kubelet_identity: tuple[int, int] | None) -> None:
+        assert self._serving is not None
+        await register(self.kubelet_dir, self._serving.socket.name, self.resource)
+        self.registered_kubelet = kubelet_identity
+        self.registrations += 1
+        log.info("registered %s with the kubelet (endpoint %s)", self.resource, self._serving.socket.name)
+
+    async def stop(self, grace: float | None = None) -> None:
+        serving, self._serving = self._serving, None
+        if serving is None:
+            return
+        await serving.server.stop(grace)
+        # Remove the socket only if it is still ours: a restarted kubelet may have cleaned it already.
+        if _inode(serving.socket) == serving.identity:
+            with contextlib.suppress(OSError):
+                serving.socket.unlink()
+
+
+class PluginSet:
+    """All resource plugins of the agent and the loop that keeps them registered with the kubelet."""
+
+    def __init__(self, servicers: list[DevicePluginServicer], kubelet_dir: Path) -> None:
+        instance = secrets.token_hex(4)
+        self.kubelet_dir = kubelet_dir
+        self.plugins = [ResourcePlugin(s, kubelet_dir, instance) for s in servicers]
+        self.registered = asyncio.Event()
+
+    async def run(self) -> None:
+        """Serve and register every resource; re-serve and re-register after a kubelet restart. Never returns."""
+        kubelet_sock = self.kubelet_dir / KUBELET_SOCKET
+        backoff = 0.0
+        retry_at = 0.0
+        failed_on: tuple[int, int] | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            kubelet = _inode(kubelet_sock)
+            pending = [p for p in self.plugins if not p.socket_intact() or p.registered_kubelet != kubelet]
+            # A new kubelet socket ends any backoff: the restarted kubelet is ready now.
+            if kubelet is not None and pending and (loop.time() >= retry_at or kubelet != failed_on):
+                try:
+                    for plugin in pending:
+                        if not plugin.socket_intact():
+                            await plugin.serve()
+                        await plugin.register(kubelet)
+                    backoff = 0.0
+                except (grpc.aio.AioRpcError, OSError) as err:
+                    failed_on = kubelet
+                    backoff = min(BACKOFF_MAX_S, max(0.5, backoff * 2))
+                    retry_at = loop.time() + backoff
+                    detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                    log.warning("registration with the kubelet failed, retrying in %.1fs: %s", backoff, detail)
+            if all(p.registered_kubelet is not None and p.registered_kubelet == kubelet for p in self.plugins):
+                self.registered.set()
+            else:
+                self.registered.clear()
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await asyncio.gather(*(p.stop(grace) for p in self.plugins))

@@ -1,0 +1,166 @@
+"""The DevicePlugin service for one resource: lists, allocates and prefers devices from the newest NodeState."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.inventory import Device
+from agent.state import NodeState, StateBus
+
+log = logging.getLogger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+MAX_ID_LENGTH = 63
+
+DevicesOf = Callable[[NodeState], tuple[Device, ...]]
+"""The devices of this servicer's resource in a NodeState."""
+
+Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]
+"""(devices of the resource, available ids, must-include ids, size) -> preferred ids."""
+
+
+class RequestError(ValueError):
+    """A request the kubelet sent cannot be served; the message names the offending ID."""
+
+
+def to_proto(devices: tuple[Device, ...]) -> api_pb2.ListAndWatchResponse:
+    return api_pb2.ListAndWatchResponse(
+        devices=[
+            api_pb2.Device(
+                ID=d.id,
+                health=HEALTHY if d.healthy else UNHEALTHY,
+                topology=None if d.numa is None else api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=d.numa)]),
+            )
+            for d in devices
+        ]
+    )
+
+
+def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, need_healthy: bool) -> list[Device]:
+    """The devices named by `ids`, duplicates removed, order kept; RequestError on an unknown or unhealthy ID."""
+    known = {d.id: d for d in devices}
+    found: dict[str, Device] = {}
+    for device_id in ids:
+        if len(device_id) > MAX_ID_LENGTH:
+            raise RequestError(
+                f"device ID {device_id[:20]!r}... is {len(device_id)} characters; IDs have at most {MAX_ID_LENGTH}"
+            )
+        device = known.get(device_id)
+        if device is None:
+            raise RequestError(f"unknown device ID {device_id!r} for resource {resource}")
+        if need_healthy and not device.healthy:
+            why = f": {device.reason}" if device.reason else ""
+            raise RequestError(f"device {device_id} of resource {resource} is unhealthy{why}")
+        found.setdefault(device_id, device)
+    return list(found.values())
+
+
+def first_fit(devices: tuple[Device, ...], available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+    """A deterministic preference: the must-include devices, then the rest by NUMA affinity and index."""
+    order = {d.id: (d.numa if d.numa is not None else 1 << 30, d.gpu_index) for d in devices}
+    chosen = list(dict.fromkeys(must_include))
+    numas = {order[i][0] for i in chosen}
+    rest = sorted((i for i in dict.fromkeys(available) if i not in chosen), key=lambda i: (order[i][0] not in numas,
+                                                                                          order[i]))
+    return chosen + rest[: max(0, size - len(chosen))]
+
+
+class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
+    def __init__(
+        self,
+        resource: str,
+        bus: StateBus,
+        devices_of: DevicesOf,
+        *,
+        list_strategies: tuple[str, ...] = ("envvar",),
+        prefer: Prefer = first_fit,
+    ) -> None:
+        self.resource = resource
+        self._bus = bus
+        self._devices_of = devices_of
+        self._list_strategies = list_strategies
+        self._prefer = prefer
+
+    def devices(self) -> tuple[Device, ...]:
+        return self._devices_of(self._bus.current)
+
+    async def GetDevicePluginOptions(  # noqa: N802 - names fixed by the API
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    async def ListAndWatch(  # noqa: N802
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        state = self._bus.current
+        sent = self._devices_of(state)
+        yield to_proto(sent)
+        while True:
+            state = await self._bus.wait_newer(state.version)
+            devices = self._devices_of(state)
+            if devices != sent:
+                sent = devices
+                log.info(
+                    "ListAndWatch update",
+                    extra={"resource": self.resource, "devices": len(devices),
+                           "healthy": sum(d.healthy for d in devices)},
+                )
+                yield to_proto(devices)
+
+    async def GetPreferredAllocation(  # noqa: N802
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        devices = self.devices()
+        responses = []
+        try:
+            for creq in request.container_requests:
+                available = [d.id for d in lookup(self.resource, devices, creq.available_deviceIDs,
+                                                  need_healthy=False)]
+                must = [d.id for d in lookup(self.resource, devices, creq.must_include_deviceIDs,
+                                             need_healthy=False)]
+                size = creq.allocation_size
+                pool = set(available) | set(must)
+                if size < 1 or size > len(pool) or len(must) > size:
+                    raise RequestError(
+                        f"cannot choose {size} device(s) of {self.resource} from {len(pool)} available "
+                        f"with {len(must)} required"
+                    )
+                chosen = self._prefer(devices, available, must, size)
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        except RequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(  # noqa: N802
+        self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        devices = self.devices()
+        responses = []
+        try:
+            for creq in request.container_requests:
+                if not creq.devices_ids:
+                    raise RequestError(f"allocate request for {self.resource} names no devices")
+                chosen = lookup(self.resource, devices, creq.devices_ids, need_healthy=True)
+                responses.append(self._container_response(chosen))
+        except RequestError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+    def _container_response(self, chosen: list[Device]) -> api_pb2.ContainerAllocateResponse:
+        visible = list(dict.fromkeys(d.visible for d in chosen))
+        response = api_pb2.ContainerAllocateResponse()
+        if "envvar" in self._list_strategies:
+            response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(visible)
+        if "cdi" in self._list_strategies:
+            response.cdi_devices.extend(api_pb2.CDIDevice(name=f"nvidia.com/gpu={v}") for v in visible)
+        return response
+
+    async def PreStartContainer(  # noqa: N802
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()

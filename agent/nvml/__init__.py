@@ -1,0 +1,1 @@
+"""The NVML boundary: the only code that imports pynvml."""

@@ -1,0 +1,375 @@
+"""Typed records out of NVML calls; one implementation for the real library and the fake."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+PCIE_LEVELS: dict[int, str] = {
+    pynvml.NVML_TOPOLOGY_INTERNAL: "single",
+    pynvml.NVML_TOPOLOGY_SINGLE: "single",
+    pynvml.NVML_TOPOLOGY_MULTIPLE: "multiple",
+    pynvml.NVML_TOPOLOGY_HOSTBRIDGE: "hostbridge",
+    pynvml.NVML_TOPOLOGY_NODE: "node",
+    pynvml.NVML_TOPOLOGY_SYSTEM: "system",
+}
+
+ARCHITECTURES: dict[int, str] = {
+    2: "kepler",
+    3: "maxwell",
+    4: "pascal",
+    5: "volta",
+    6: "turing",
+    7: "ampere",
+    8: "ada",
+    9: "hopper",
+    10: "blackwell",
+}
+
+WHOLE_GPU = 0xFFFFFFFF
+"""gpuInstanceId/computeInstanceId of an event that concerns the whole GPU."""
+
+NumaLookup = Callable[[str], int | None]
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used: no driver, no library, or initialisation failed."""
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    version: str
+    cuda: str
+    """CUDA driver API version as major.minor, e.g. "12.8"."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    minor: int
+    memory_mib: int
+    architecture: str
+    compute_capability: tuple[int, int]
+    numa_node: int | None
+    mig_capable: bool
+    mig_enabled: bool
+    mig_pending: bool
+
+
+@dataclass(frozen=True)
+class MigDeviceInfo:
+    uuid: str
+    parent_index: int
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str
+    """GPU-instance profile name as NVML reports it, without the "MIG " prefix, e.g. "1g.10gb"."""
+    memory_mib: int
+    placement_start: int
+    placement_size: int
+
+
+@dataclass(frozen=True)
+class PairLink:
+    a: int
+    b: int
+    nvlink: int
+    pcie: str
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """Everything about the node's GPUs that changes only when devices change."""
+
+    driver: DriverInfo
+    gpus: tuple[GpuInfo, ...]
+    links: tuple[PairLink, ...]
+    mig_devices: tuple[MigDeviceInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class HealthReading:
+    """One periodic sample of a GPU's health signals; None where the GPU does not support the query."""
+
+    uuid: str
+    lost: bool = False
+    ecc_uncorrected_volatile: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    clock_event_reasons: int | None = None
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    gpu_uuid: str
+    xid: int
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+def sysfs_numa_node(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> int | None:
+    """Linux NUMA node of a PCI device, or None when the platform reports none.
+
+    NVML's busId carries an 8-digit domain ("00000000:17:00.0"); sysfs uses 4 digits ("0000:17:00.0").
+    """
+    bdf = bus_id.lower()
+    domain, sep, rest = bdf.partition(":")
+    if sep and len(domain) == 8:
+        bdf = domain[4:] + ":" + rest
+    try:
+        value = int((root / bdf / "numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace").rstrip("\x00")
+    return str(value)
+
+
+def _norm_bus_id(bus_id: str) -> str:
+    return bus_id.lower()
+
+
+@dataclass
+class NvmlBackend:
+    """Reads the node through a pynvml-shaped library: the pynvml module itself or the fake."""
+
+    lib: Any
+    numa_lookup: NumaLookup = sysfs_numa_node
+    _handles: list[Any] = field(default_factory=list)
+    _initialised: bool = False
+
+    def init(self) -> None:
+        try:
+            self.lib.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
+        self._initialised = True
+        self._handles = [self.lib.nvmlDeviceGetHandleByIndex(i) for i in range(self.lib.nvmlDeviceGetCount())]
+
+    def shutdown(self) -> None:
+        if self._initialised:
+            with contextlib.suppress(pynvml.NVMLError):
+                self.lib.nvmlShutdown()
+            self._initialised = False
+
+    # -- inventory ---------------------------------------------------------------------------------
+
+    def driver(self) -> DriverInfo:
+        cuda = int(self.lib.nvmlSystemGetCudaDriverVersion())
+        return DriverInfo(
+            version=_text(self.lib.nvmlSystemGetDriverVersion()),
+            cuda=f"{cuda // 1000}.{(cuda % 1000) // 10}",
+        )
+
+    def inventory(self) -> NodeInventory:
+        gpus = tuple(self._gpu(i, h) for i, h in enumerate(self._handles))
+        return NodeInventory(
+            driver=self.driver(),
+            gpus=gpus,
+            links=self._links(gpus),
+            mig_devices=tuple(d for g in gpus if g.mig_enabled for d in self._mig_devices(g.index)),
+        )
+
+    def _gpu(self, index: int, h: Any) -> GpuInfo:
+        lib = self.lib
+        bus_id = _text(lib.nvmlDeviceGetPciInfo(h).busId)
+        major, minor = lib.nvmlDeviceGetCudaComputeCapability(h)
+        mig_capable, mig_enabled, mig_pending = False, False, False
+        try:
+            current, pending = lib.nvmlDeviceGetMigMode(h)
+            mig_capable = True
+            mig_enabled = current == pynvml.NVML_DEVICE_MIG_ENABLE
+            mig_pending = pending != current
+        except pynvml.NVMLError_NotSupported:
+            pass
+        return GpuInfo(
+            index=index,
+            uuid=_text(lib.nvmlDeviceGetUUID(h)),
+            name=_text(lib.nvmlDeviceGetName(h)),
+            pci_bus_id=bus_id,
+            minor=int(lib.nvmlDeviceGetMinorNumber(h)),
+            memory_mib=int(lib.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024),
+            architecture=ARCHITECTURES.get(int(lib.nvmlDeviceGetArchitecture(h)), "unknown"),
+            compute_capability=(int(major), int(minor)),
+            numa_node=self.numa_lookup(bus_id),
+            mig_capable=mig_capable,
+            mig_enabled=mig_enabled,
+            mig_pending=mig_pending,
+        )
+
+    def _nvlinks(self, h: Any) -> Iterator[tuple[bool, str]]:
+        """Active NVLinks of a GPU as (to_switch, remote bus id)."""
+        lib = self.lib
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if lib.nvmlDeviceGetNvLinkState(h, link) != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
+                # NotSupported on GPUs without NVLink; InvalidArgument past the GPU's last link.
+                if link == 0:
+                    return
+                continue
+            try:
+                kind = lib.nvmlDeviceGetNvLinkRemoteDeviceType(h, link)
+            except pynvml.NVMLError_NotSupported:
+                kind = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+            remote = _text(lib.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
+            yield kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH, _norm_bus_id(remote)
+
+    def _links(self, gpus: tuple[GpuInfo, ...]) -> tuple[PairLink, ...]:
+        by_bus = {_norm_bus_id(g.pci_bus_id): g.index for g in gpus}
+        direct: dict[tuple[int, int], int] = {}
+        to_switch = [0] * len(gpus)
+        for g in gpus:
+            for is_switch, remote in self._nvlinks(self._handles[g.index]):
+                if is_switch:
+                    to_switch[g.index] += 1
+                elif remote in by_bus:
+                    key = (g.index, by_bus[remote])
+                    direct[key] = direct.get(key, 0) + 1
+        links = []
+        for a in range(len(gpus)):
+            for b in range(a + 1, len(gpus)):
+                level = self.lib.nvmlDeviceGetTopologyCommonAncestor(self._handles[a], self._handles[b])
+                # GPUs behind NVSwitches reach each other over as many links as the less-connected one has.
+                nvlink = direct.get((a, b), 0) + min(to_switch[a], to_switch[b])
+                links.append(PairLink(a, b, nvlink, PCIE_LEVELS.get(int(level), "system")))
+        return tuple(links)
+
+    def _gi_profile_names(self, h: Any) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = self.lib.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+            except pynvml.NVMLError:
+                continue
+            names[int(info.id)] = _text(info.name).removeprefix("MIG ")
+        return names
+
+    def _mig_devices(self, index: int) -> list[MigDeviceInfo]:
+        lib = self.lib
+        h = self._handles[index]
+        names = self._gi_profile_names(h)
+        devices = []
+        for slot in range(int(lib.nvmlDeviceGetMaxMigDeviceCount(h))):
+            try:
+                mh = lib.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)
+            except pynvml.NVMLError_NotFound:
+                continue
+            gi_id = int(lib.nvmlDeviceGetGpuInstanceId(mh))
+            gi_info = lib.nvmlGpuInstanceGetInfo(lib.nvmlDeviceGetGpuInstanceById(h, gi_id))
+            devices.append(
+                MigDeviceInfo(
+                    uuid=_text(lib.nvmlDeviceGetUUID(mh)),
+                    parent_index=index,
+                    gpu_instance_id=gi_id,
+                    compute_instance_id=int(lib.nvmlDeviceGetComputeInstanceId(mh)),
+                    profile=names.get(int(gi_info.profileId), f"profile-{int(gi_info.profileId)}"),
+                    memory_mib=int(lib.nvmlDeviceGetMemoryInfo(mh).total) // (1024 * 1024),
+                    placement_start=int(gi_info.placement.start),
+                    placement_size=int(gi_info.placement.size),
+                )
+            )
+        return sorted(devices, key=lambda d: (d.placement_start, d.compute_instance_id))
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def health(self, index: int) -> HealthReading:
+        """Sample one GPU's health signals; a GPU that has fallen off the bus reads as lost."""
+        lib = self.lib
+        h = self._handles[index]
+        try:
+            uuid = _text(lib.nvmlDeviceGetUUID(h))
+        except pynvml.NVMLError_GpuIsLost:
+            return HealthReading(uuid="", lost=True)
+
+        def probe(call: Callable[[], Any]) -> Any:
+            try:
+                return call()
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission, pynvml.NVMLError_NotFound):
+                return None
+
+        try:
+            ecc = probe(
+                lambda: lib.nvmlDeviceGetTotalEccErrors(
+                    h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+                )
+            )
+            retired = probe(lambda: lib.nvmlDeviceGetRetiredPagesPendingStatus(h))
+            remapped = probe(lambda: lib.nvmlDeviceGetRemappedRows(h))
+            reasons = probe(lambda: lib.nvmlDeviceGetCurrentClocksEventReasons(h))
+        except pynvml.NVMLError_GpuIsLost:
+            return HealthReading(uuid=uuid, lost=True)
+        return HealthReading(
+            uuid=uuid,
+            ecc_uncorrected_volatile=None if ecc is None else int(ecc),
+            retired_pages_pending=None if retired is None else bool(retired),
+            remapped_rows_pending=None if remapped is None else bool(remapped[2]),
+            remapped_rows_failure=None if remapped is None else bool(remapped[3]),
+            clock_event_reasons=None if reasons is None else int(reasons),
+        )
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def open_events(self) -> Any:
+        """Register every GPU that supports it for XID events; returns the event set."""
+        lib = self.lib
+        event_set = lib.nvmlEventSetCreate()
+        for h in self._handles:
+            try:
+                supported = int(lib.nvmlDeviceGetSupportedEventTypes(h))
+                mask = supported & (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError)
+                if mask:
+                    lib.nvmlDeviceRegisterEvents(h, mask, event_set)
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_GpuIsLost):
+                continue
+        return event_set
+
+    def wait_event(self, event_set: Any, timeout_ms: int) -> XidEvent | None:
+        """Block up to timeout_ms for one event; None on timeout. Call off the event loop."""
+        try:
+            data = self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
+        except pynvml.NVMLError_Timeout:
+            return None
+        if int(data.eventType) == pynvml.nvmlEventTypeDoubleBitEccError:
+            xid = 48
+        else:
+            xid = int(data.eventData)
+        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
+        return XidEvent(
+            gpu_uuid=_text(self.lib.nvmlDeviceGetUUID(data.device)),
+            xid=xid,
+            gpu_instance_id=None if gi == WHOLE_GPU else gi,
+            compute_instance_id=None if ci == WHOLE_GPU else ci,
+        )
+
+    def close_events(self, event_set: Any) -> None:
+        with contextlib.suppress(pynvml.NVMLError):
+            self.lib.nvmlEventSetFree(event_set)
+
+
+def open_backend(selector: str, mock_state: Path | None = None) -> NvmlBackend:
+    """Build the backend named by --nvml: "real", "mock:PRESET" or "mock:FILE"."""
+    if selector == "real":
+        return NvmlBackend(lib=pynvml)
+    kind, sep, source = selector.partition(":")
+    if kind != "mock" or not sep or not source:
+        raise ValueError(f"--nvml must be 'real', 'mock:PRESET' or 'mock:FILE', got {selector!r}")
+    from agent.nvml.fake import FakeNvml
+    from agent.nvml.nodefile import load_node
+
+    fake = FakeNvml(load_node(source), mock_state)
+    return NvmlBackend(lib=fake, numa_lookup=fake.numa_node)

@@ -1,0 +1,75 @@
+"""NodeState, the immutable versioned picture of the node, and the bus that publishes its versions."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from agent.nvml.backend import NodeInventory
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    healthy: bool = True
+    reason: str = ""
+
+
+HEALTHY = DeviceHealth()
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """One version of what the agent knows; consumers compare versions, never mutate."""
+
+    version: int
+    inventory: NodeInventory
+    health: Mapping[str, DeviceHealth] = field(default_factory=lambda: MappingProxyType({}))
+    """Health by GPU UUID; a GPU missing here is healthy. MIG devices and replicas inherit their GPU's."""
+    draining: frozenset[str] = frozenset()
+    """GPU UUIDs whose devices are withdrawn while their MIG layout changes."""
+
+    def gpu_health(self, uuid: str) -> DeviceHealth:
+        return self.health.get(uuid, HEALTHY)
+
+    def evolve(self, **changes: object) -> NodeState:
+        """The next version with the given fields replaced."""
+        if "health" in changes:
+            changes["health"] = MappingProxyType(dict(changes["health"]))  # type: ignore[call-overload]
+        return dataclasses.replace(self, version=self.version + 1, **changes)  # type: ignore[arg-type]
+
+
+class StateBus:
+    """Holds the newest NodeState and wakes consumers when a newer one is published.
+
+    Lives on the event loop; producers on other threads publish with loop.call_soon_threadsafe.
+    """
+
+    def __init__(self, initial: NodeState) -> None:
+        self._state = initial
+        self._changed = asyncio.Condition()
+
+    @property
+    def current(self) -> NodeState:
+        return self._state
+
+    async def publish(self, state: NodeState) -> None:
+        if state.version <= self._state.version:
+            raise ValueError(f"state version {state.version} is not newer than {self._state.version}")
+        async with self._changed:
+            self._state = state
+            self._changed.notify_all()
+
+    async def update(self, **changes: object) -> NodeState:
+        """Publish the current state with the given fields replaced; returns the new version."""
+        new = self._state.evolve(**changes)
+        await self.publish(new)
+        return new
+
+    async def wait_newer(self, version: int) -> NodeState:
+        """Return the newest state once its version is above `version`."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._state.version > version)
+            return self._state

@@ -1,0 +1,1 @@
+"""GPU interconnect topology: link matrix, pair scores and the optimal allocator."""

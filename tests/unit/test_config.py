@@ -1,0 +1,61 @@
+"""The config file: defaults, NVIDIA-compatible keys, and one clear line per problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import DEFAULT_CONFIG, ConfigError, load_config, parse_config
+
+
+def test_defaults() -> None:
+    assert load_config(None) == DEFAULT_CONFIG
+    plugin = DEFAULT_CONFIG.flags.plugin
+    assert (DEFAULT_CONFIG.flags.mig_strategy, plugin.device_list_strategy, plugin.device_id_strategy) == (
+        "none", ("envvar",), "uuid"
+    )
+
+
+def test_nvidia_key_names_are_accepted() -> None:
+    config = parse_config(
+        "version: v1\nflags:\n  migStrategy: none\n  plugin:\n    deviceListStrategy: cdi\n    deviceIDStrategy: index\n"
+    )
+    assert config.flags.plugin.device_list_strategy == ("cdi",)
+    assert config.flags.plugin.device_id_strategy == "index"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("version: v2\n", "cfg.yaml: version: got 'v2'; expected 'v1'"),
+        ("flags: {}\n", "cfg.yaml: version: Field required"),
+        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: volume-mounts\n",
+         "cfg.yaml: flags.plugin.deviceListStrategy.0: got 'volume-mounts'; expected 'envvar' or 'cdi'"),
+        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, envvar]\n",
+         "cfg.yaml: flags.plugin.deviceListStrategy: lists a strategy twice"),
+        ("version: v1\nflags:\n  migStrategee: none\n", "cfg.yaml: flags.migStrategee: unknown key"),
+        ("version: v1\nflags:\n  migStrategy: mixed\n", "cfg.yaml: flags.migStrategy: got 'mixed'; expected 'none'"),
+        ("- version\n", "cfg.yaml: expected a mapping with 'version: v1' at the top level"),
+        ("version: [\n", "cfg.yaml: not valid YAML:"),
+    ],
+)
+def test_bad_config_is_named(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "cfg.yaml")
+    assert str(caught.value).startswith(message)
+
+
+def test_every_problem_gets_a_line() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nflags:\n  bogus: 1\n  plugin:\n    deviceIDStrategy: serial\n", "c")
+    assert str(caught.value).splitlines() == [
+        "c: flags.plugin.deviceIDStrategy: got 'serial'; expected 'uuid' or 'index'",
+        "c: flags.bogus: unknown key",
+    ]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "nope.yaml")
+    assert str(caught.value) == f"{tmp_path / 'nope.yaml'}: cannot read config: No such file or directory"

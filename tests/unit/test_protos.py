@@ -1,0 +1,98 @@
+"""The committed stubs match protos/, and protos/ matches the kubelet's wire contract."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from agent.deviceplugin.v1beta1 import api_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi"]
+
+# (message, field) -> (number, type name) as the kubelet's v1beta1 API defines them.
+WIRE = {
+    ("DevicePluginOptions", "pre_start_required"): (1, "bool"),
+    ("DevicePluginOptions", "get_preferred_allocation_available"): (2, "bool"),
+    ("RegisterRequest", "version"): (1, "string"),
+    ("RegisterRequest", "endpoint"): (2, "string"),
+    ("RegisterRequest", "resource_name"): (3, "string"),
+    ("RegisterRequest", "options"): (4, "DevicePluginOptions"),
+    ("ListAndWatchResponse", "devices"): (1, "Device"),
+    ("TopologyInfo", "nodes"): (1, "NUMANode"),
+    ("NUMANode", "ID"): (1, "int64"),
+    ("Device", "ID"): (1, "string"),
+    ("Device", "health"): (2, "string"),
+    ("Device", "topology"): (3, "TopologyInfo"),
+    ("PreStartContainerRequest", "devices_ids"): (1, "string"),
+    ("PreferredAllocationRequest", "container_requests"): (1, "ContainerPreferredAllocationRequest"),
+    ("ContainerPreferredAllocationRequest", "available_deviceIDs"): (1, "string"),
+    ("ContainerPreferredAllocationRequest", "must_include_deviceIDs"): (2, "string"),
+    ("ContainerPreferredAllocationRequest", "allocation_size"): (3, "int32"),
+    ("PreferredAllocationResponse", "container_responses"): (1, "ContainerPreferredAllocationResponse"),
+    ("ContainerPreferredAllocationResponse", "deviceIDs"): (1, "string"),
+    ("AllocateRequest", "container_requests"): (1, "ContainerAllocateRequest"),
+    ("ContainerAllocateRequest", "devices_ids"): (1, "string"),
+    ("AllocateResponse", "container_responses"): (1, "ContainerAllocateResponse"),
+    ("ContainerAllocateResponse", "envs"): (1, "EnvsEntry"),
+    ("ContainerAllocateResponse", "mounts"): (2, "Mount"),
+    ("ContainerAllocateResponse", "devices"): (3, "DeviceSpec"),
+    ("ContainerAllocateResponse", "annotations"): (4, "AnnotationsEntry"),
+    ("ContainerAllocateResponse", "cdi_devices"): (5, "CDIDevice"),
+    ("CDIDevice", "name"): (1, "string"),
+    ("Mount", "container_path"): (1, "string"),
+    ("Mount", "host_path"): (2, "string"),
+    ("Mount", "read_only"): (3, "bool"),
+    ("DeviceSpec", "container_path"): (1, "string"),
+    ("DeviceSpec", "host_path"): (2, "string"),
+    ("DeviceSpec", "permissions"): (3, "string"),
+}
+SCALARS = {8: "bool", 9: "string", 3: "int64", 5: "int32"}
+
+
+def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
+    subprocess.run([str(ROOT / "hack/protos.sh"), str(tmp_path)], check=True, capture_output=True)
+    stale = [
+        name
+        for name in GENERATED
+        if (tmp_path / "agent/deviceplugin/v1beta1" / name).read_bytes()
+        != (ROOT / "agent/deviceplugin/v1beta1" / name).read_bytes()
+    ]
+    assert stale == [], f"stale generated stubs (run `make protos`): {stale}"
+
+
+def test_package_services_and_methods() -> None:
+    file = api_pb2.DESCRIPTOR
+    assert file.package == "v1beta1"
+    methods = {
+        f"/{s.full_name}/{m.name}": (m.input_type.name, m.output_type.name, m.server_streaming)
+        for s in file.services_by_name.values()
+        for m in s.methods
+    }
+    assert methods == {
+        "/v1beta1.Registration/Register": ("RegisterRequest", "Empty", False),
+        "/v1beta1.DevicePlugin/GetDevicePluginOptions": ("Empty", "DevicePluginOptions", False),
+        "/v1beta1.DevicePlugin/ListAndWatch": ("Empty", "ListAndWatchResponse", True),
+        "/v1beta1.DevicePlugin/GetPreferredAllocation": (
+            "PreferredAllocationRequest", "PreferredAllocationResponse", False),
+        "/v1beta1.DevicePlugin/Allocate": ("AllocateRequest", "AllocateResponse", False),
+        "/v1beta1.DevicePlugin/PreStartContainer": ("PreStartContainerRequest", "PreStartContainerResponse", False),
+    }
+
+
+@pytest.mark.parametrize(("message", "field"), sorted(WIRE))
+def test_wire_field_numbers(message: str, field: str) -> None:
+    descriptor = api_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[field]
+    kind = descriptor.message_type.name if descriptor.message_type else SCALARS[descriptor.type]
+    assert (descriptor.number, kind) == WIRE[(message, field)]
+
+
+def test_every_field_is_covered() -> None:
+    fields = {
+        (m.name, f.name)
+        for m in api_pb2.DESCRIPTOR.message_types_by_name.values()
+        for f in m.fields
+    }
+    assert fields == set(WIRE)
