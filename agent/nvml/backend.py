@@ -150,6 +150,8 @@ class NvmlBackend:
     numa_lookup: NumaLookup = sysfs_numa_node
     _handles: list[Any] = field(default_factory=list)
     _initialised: bool = False
+    lost_at_start: list[int] = field(default_factory=list)
+    """NVML indices of GPUs that were lost when NVML was initialised."""
 
     def init(self) -> None:
         try:
@@ -157,7 +159,14 @@ class NvmlBackend:
         except pynvml.NVMLError as err:
             raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
         self._initialised = True
-        self._handles = [self.lib.nvmlDeviceGetHandleByIndex(i) for i in range(self.lib.nvmlDeviceGetCount())]
+        self._handles = []
+        self.lost_at_start = []
+        for i in range(self.lib.nvmlDeviceGetCount()):
+            try:
+                self._handles.append(self.lib.nvmlDeviceGetHandleByIndex(i))
+            except pynvml.NVMLError_GpuIsLost:
+                # A GPU already off the bus has no handle and no UUID to advertise; it is reported, not served.
+                self.lost_at_start.append(i)
 
     def shutdown(self) -> None:
         if self._initialised:
@@ -176,6 +185,7 @@ class NvmlBackend:
 
     def inventory(self) -> NodeInventory:
         gpus = tuple(self._gpu(i, h) for i, h in enumerate(self._handles))
+        # GpuInfo.index is the position among served GPUs, which the NVML index equals unless one was lost.
         return NodeInventory(
             driver=self.driver(),
             gpus=gpus,
@@ -344,10 +354,9 @@ class NvmlBackend:
             data = self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
         except pynvml.NVMLError_Timeout:
             return None
-        if int(data.eventType) == pynvml.nvmlEventTypeDoubleBitEccError:
-            xid = 48
-        else:
-            xid = int(data.eventData)
+        # A double-bit ECC event carries no XID; it is the condition XID 48 reports.
+        double_bit = int(data.eventType) == pynvml.nvmlEventTypeDoubleBitEccError
+        xid = 48 if double_bit else int(data.eventData)
         gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
         return XidEvent(
             gpu_uuid=_text(self.lib.nvmlDeviceGetUUID(data.device)),
