@@ -100,13 +100,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if not args.kubelet_dir.is_dir():
         raise CliError(f"kubelet directory {args.kubelet_dir} does not exist (set --kubelet-dir)")
-    if not args.no_kube:
-        raise CliError("publishing node labels and taints is not available in this version; pass --no-kube")
     if not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if not args.no_kube and not args.node_name:
+        raise CliError("the node name is unknown: set NODE_NAME or --node-name (or run with --no-kube)")
+    if args.kubeconfig is not None and not args.kubeconfig.is_file():
+        raise CliError(f"kubeconfig {args.kubeconfig} does not exist")
     backend = _backend(args.nvml, args.mock_state)
-    agent = Agent(backend, AgentOptions(config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port))
-    return asyncio.run(run_until_signal(agent))
+
+    async def main() -> int:
+        kube = None
+        if not args.no_kube:
+            from agent.kube.node import NodeApi
+
+            try:
+                kube = await NodeApi.connect(args.kubeconfig, args.node_name)
+            except Exception as err:  # the client raises several unrelated types for a bad config
+                raise CliError(f"cannot load API server credentials: {err}") from err
+        options = AgentOptions(
+            config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port, kube=kube
+        )
+        return await run_until_signal(Agent(backend, options))
+
+    return asyncio.run(main())
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:

@@ -17,6 +17,9 @@ from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
 from agent.inventory import GPU_RESOURCE, Device, resources
+from agent.kube.node import NodeApi
+from agent.kube.reconciler import NodeReconciler
+from agent.labels import node_labels, owned
 from agent.metrics import HttpEndpoint, Metrics
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
@@ -37,6 +40,8 @@ class AgentOptions:
     kubelet_dir: Path
     metrics_port: int | None = 9400
     metrics_host: str = "0.0.0.0"
+    kube: NodeApi | None = None
+    """The agent's own Node in the API server; None runs without one (--no-kube)."""
 
 
 class NvmlThread:
@@ -78,6 +83,7 @@ class Agent:
         self.metrics = Metrics()
         self.bus: StateBus | None = None
         self.plugins: PluginSet | None = None
+        self.reconciler: NodeReconciler | None = None
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
@@ -126,6 +132,9 @@ class Agent:
         monitor = HealthMonitor(self.backend, bus, self.nvml)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
+        if opts.kube is not None:
+            self.reconciler = NodeReconciler(opts.kube, bus, lambda s: node_labels(s, config), owned)
+            self._spawn("node-reconciler", self.reconciler.run)
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s",
             len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
@@ -145,6 +154,8 @@ class Agent:
             await self.plugins.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
+        if self.options.kube is not None:
+            await self.options.kube.close()
         with contextlib.suppress(Exception):
             await self.nvml(self.backend.shutdown)
         self.nvml.close()

@@ -63,7 +63,6 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     if not inv.gpus:
         return labels
     first = inv.gpus[0]
-    labels["nvidia.com/gpu.present"] = "true"
     labels["nvidia.com/gpu.count"] = str(len(inv.gpus))
     labels["nvidia.com/gpu.product"] = sanitise(first.name)
     labels["nvidia.com/gpu.memory"] = str(first.memory_mib)
@@ -84,3 +83,19 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     full_mesh = all(link.nvlink for link in inv.links) and len(inv.gpus) > 1
     labels[OWN_PREFIX + "nvlink.full-mesh"] = str(full_mesh).lower()
     return labels
+
+
+OWNED_NVIDIA_KEYS = frozenset(
+    "nvidia.com/" + k
+    for k in (
+        "cuda.driver-version.full", "cuda.driver-version.major", "cuda.driver-version.minor",
+        "cuda.driver-version.revision", "cuda.runtime-version.full", "cuda.runtime-version.major",
+        "cuda.runtime-version.minor", "gpu.count", "gpu.product", "gpu.memory", "gpu.family",
+        "gpu.compute.major", "gpu.compute.minor", "gpu.replicas", "gpu.sharing-strategy", "mig.capable",
+    )
+)
+
+
+def owned(key: str) -> bool:
+    """Whether the agent owns a node label: it writes and removes these and never touches any other."""
+    return key.startswith(OWN_PREFIX) or key in OWNED_NVIDIA_KEYS

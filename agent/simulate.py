@@ -56,7 +56,7 @@ class StandInKubelet(api_pb2_grpc.RegistrationServicer):
         if self._server is not None:
             await self._server.stop(None)
 
-    async def Register(  # noqa: N802 - name fixed by the API
+    async def Register(
         self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.Empty:
         if request.version != "v1beta1":

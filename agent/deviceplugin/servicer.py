@@ -60,13 +60,17 @@ def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, ne
     return list(found.values())
 
 
-def first_fit(devices: tuple[Device, ...], available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+def first_fit(
+    devices: tuple[Device, ...], available: Sequence[str], must_include: Sequence[str], size: int
+) -> list[str]:
     """A deterministic preference: the must-include devices, then the rest by NUMA affinity and index."""
     order = {d.id: (d.numa if d.numa is not None else 1 << 30, d.gpu_index) for d in devices}
     chosen = list(dict.fromkeys(must_include))
     numas = {order[i][0] for i in chosen}
-    rest = sorted((i for i in dict.fromkeys(available) if i not in chosen), key=lambda i: (order[i][0] not in numas,
-                                                                                          order[i]))
+    rest = sorted(
+        (i for i in dict.fromkeys(available) if i not in chosen),
+        key=lambda i: (order[i][0] not in numas, order[i]),
+    )
     return chosen + rest[: max(0, size - len(chosen))]
 
 
@@ -89,12 +93,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     def devices(self) -> tuple[Device, ...]:
         return self._devices_of(self._bus.current)
 
-    async def GetDevicePluginOptions(  # noqa: N802 - names fixed by the API
+    async def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    async def ListAndWatch(  # noqa: N802
+    async def ListAndWatch(
         self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
         state = self._bus.current
@@ -112,7 +116,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 )
                 yield to_proto(devices)
 
-    async def GetPreferredAllocation(  # noqa: N802
+    async def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         devices = self.devices()
@@ -136,7 +140,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    async def Allocate(  # noqa: N802
+    async def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.AllocateResponse:
         devices = self.devices()
@@ -160,7 +164,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             response.cdi_devices.extend(api_pb2.CDIDevice(name=f"nvidia.com/gpu={v}") for v in visible)
         return response
 
-    async def PreStartContainer(  # noqa: N802
+    async def PreStartContainer(
         self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()

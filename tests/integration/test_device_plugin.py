@@ -58,7 +58,9 @@ async def test_allocate_rejects_bad_ids_naming_them(bad_id: str, message: str) -
         good = rig.devices()[0].ID
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await rig.stub().Allocate(
-                api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[good, bad_id])])
+                api_pb2.AllocateRequest(
+                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[good, bad_id])]
+                )
             )
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert caught.value.details() == message

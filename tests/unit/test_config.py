@@ -19,7 +19,8 @@ def test_defaults() -> None:
 
 def test_nvidia_key_names_are_accepted() -> None:
     config = parse_config(
-        "version: v1\nflags:\n  migStrategy: none\n  plugin:\n    deviceListStrategy: cdi\n    deviceIDStrategy: index\n"
+        "version: v1\nflags:\n  migStrategy: none\n"
+        "  plugin:\n    deviceListStrategy: cdi\n    deviceIDStrategy: index\n"
     )
     assert config.flags.plugin.device_list_strategy == ("cdi",)
     assert config.flags.plugin.device_id_strategy == "index"

@@ -1,0 +1,143 @@
+"""The agent's own Node through the API server: get, watch with relist, patch owned labels, record events."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes.aio import client, config, watch
+from kubernetes.aio.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_S = 300
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    """The API server refused or could not be reached; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    resource_version: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Mapping[str, str], ...] = ()
+
+
+def _view(node: Any) -> NodeView:
+    meta = node.metadata
+    taints = tuple(
+        {k: v for k, v in (("key", t.key), ("value", t.value), ("effect", t.effect)) if v is not None}
+        for t in (node.spec.taints or [])
+    )
+    return NodeView(
+        name=meta.name,
+        resource_version=meta.resource_version,
+        labels=dict(meta.labels or {}),
+        annotations=dict(meta.annotations or {}),
+        taints=taints,
+    )
+
+
+class NodeApi:
+    """What the agent does with the API: its own Node only. Counts every write it makes."""
+
+    def __init__(self, api_client: Any, node_name: str) -> None:
+        self._client = api_client
+        self._core = client.CoreV1Api(api_client)
+        self.node_name = node_name
+        self.writes = 0
+
+    @classmethod
+    async def connect(cls, kubeconfig: Path | None, node_name: str) -> NodeApi:
+        configuration = client.Configuration()
+        if kubeconfig is not None:
+            await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+        return cls(client.ApiClient(configuration), node_name)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def get(self) -> NodeView:
+        return _view(await self._core.read_node(self.node_name))
+
+    async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
+        """Node versions after `resource_version`; ends when the watch expires (the caller relists)."""
+        w = watch.Watch()
+        try:
+            async for event in w.stream(
+                self._core.list_node,
+                field_selector=f"metadata.name={self.node_name}",
+                resource_version=resource_version,
+                timeout_seconds=WATCH_TIMEOUT_S,
+                allow_watch_bookmarks=True,
+            ):
+                if event["type"] in ("ADDED", "MODIFIED"):
+                    yield _view(event["object"])
+        finally:
+            w.stop()
+
+    async def patch_metadata(self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]) -> NodeView:
+        """A JSON merge patch of the given keys; None deletes a key. Other keys are left alone."""
+        metadata: dict[str, Any] = {}
+        if labels:
+            metadata["labels"] = dict(labels)
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        self.writes += 1
+        node = await self._core.patch_node(
+            self.node_name, {"metadata": metadata}, _content_type=MERGE_PATCH
+        )
+        return _view(node)
+
+    async def set_taints(self, taints: list[Mapping[str, str]], resource_version: str) -> NodeView:
+        """Replace spec.taints whole, only if the node is still at `resource_version` (409 otherwise)."""
+        self.writes += 1
+        node = await self._core.patch_node(
+            self.node_name,
+            {"metadata": {"resourceVersion": resource_version}, "spec": {"taints": [dict(t) for t in taints]}},
+            _content_type=MERGE_PATCH,
+        )
+        return _view(node)
+
+    async def event(self, reason: str, message: str, kind: str = "Normal") -> None:
+        now = datetime.datetime.now(datetime.UTC)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{self.node_name}.", namespace="default"),
+            involved_object=client.V1ObjectReference(kind="Node", name=self.node_name, uid=self.node_name),
+            reason=reason,
+            message=message,
+            type=kind,
+            source=client.V1EventSource(component="gpu-node-agent", host=self.node_name),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        self.writes += 1
+        await self._core.create_namespaced_event("default", body)
+
+
+def is_conflict(err: BaseException) -> bool:
+    return isinstance(err, ApiException) and err.status == 409
+
+
+def is_expired(err: BaseException) -> bool:
+    return isinstance(err, ApiException) and err.status == 410
+
+
+def describe_error(err: BaseException) -> str:
+    if isinstance(err, ApiException):
+        return f"API server answered {err.status} {err.reason}"
+    if isinstance(err, asyncio.TimeoutError):
+        return "API server timed out"
+    return f"{type(err).__name__}: {err}"

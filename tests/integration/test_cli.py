@@ -1,0 +1,123 @@
+"""The gpu-agent command as a user runs it: real processes, real sockets, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.simulate import StandInKubelet
+from tests.plugin_harness import short_dir
+
+AGENT = [sys.executable, "-m", "agent.cli"]
+
+
+def gpu_agent(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*AGENT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_simulate_json_shows_eight_gpus_for_dgx_h100() -> None:
+    done = gpu_agent("simulate", "--node", "dgx-h100", "--json")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["node"]["name"] == "sim-dgx-h100"
+    assert view["node"]["capacity"] == {"nvidia.com/gpu": "8"}
+    assert view["node"]["allocatable"] == {"nvidia.com/gpu": "8"}
+    assert view["node"]["taints"] == []
+    assert view["node"]["labels"]["nvidia.com/gpu.count"] == "8"
+    assert view["node"]["labels"]["gpu-node-agent.io/nvlink.largest-group"] == "8"
+    devices = view["devices"]["nvidia.com/gpu"]
+    assert [(d["health"], d["numa"]) for d in devices] == [("Healthy", 0)] * 4 + [("Healthy", 1)] * 4
+    assert len({d["id"] for d in devices}) == 8
+
+
+def test_simulate_text_looks_like_describe_node() -> None:
+    done = gpu_agent("simulate", "--node", "pcie-l40s-4")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "Name:               sim-pcie-l40s-4"
+    capacity = lines.index("Capacity:")
+    assert lines[capacity + 1 : capacity + 4] == ["  nvidia.com/gpu:  4", "Allocatable:", "  nvidia.com/gpu:  4"]
+    assert "Taints:             <none>" in lines
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "first_words"),
+    [
+        (["simulate", "--node", "no-such-node"], 1, "gpu-agent simulate: error: unknown node preset 'no-such-node'"),
+        (["run", "--nvml", "mock:single-h200", "--kubelet-dir", "/nonexistent/dir", "--no-kube"], 1,
+         "gpu-agent run: error: kubelet directory /nonexistent/dir does not exist (set --kubelet-dir)"),
+        (["run", "--nvml", "fake", "--kubelet-dir", "/tmp", "--no-kube"], 1,
+         "gpu-agent run: error: --nvml must be 'real', 'mock:PRESET' or 'mock:FILE', got 'fake'"),
+        (["run", "--kubelet-dir", "/tmp", "--nvml", "mock:single-h200"], 1,
+         "gpu-agent run: error: the node name is unknown: set NODE_NAME or --node-name (or run with --no-kube)"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], code: int, first_words: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NODE_NAME"}
+    done = subprocess.run([*AGENT, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == code
+    assert done.stderr.startswith(first_words)
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_config_file_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nflags:\n  plugin:\n    deviceIDStrategy: serial\n")
+    done = gpu_agent("run", "--config", str(config), "--kubelet-dir", "/tmp", "--no-kube")
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"gpu-agent run: error: {config}: flags.plugin.deviceIDStrategy: got 'serial'; expected 'uuid' or 'index'\n"
+    )
+
+
+def test_malformed_node_file_is_named(tmp_path: Path) -> None:
+    node = tmp_path / "node.yaml"
+    node.write_text("version: v1\ngpus:\n  - {model: H100-SXM5-80GB, numa_node: 0, colour: green}\n")
+    done = gpu_agent("simulate", "--node", str(node))
+    assert done.returncode == 1
+    assert "gpus[0].colour" in done.stderr or "gpus.0.colour" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_inspect_json_reports_topology_and_pair_scores() -> None:
+    done = gpu_agent("inspect", "--nvml", "mock:a100-pcie-nvlink-pairs", "--json")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert [g["numa_node"] for g in view["gpus"]] == [0, 0, 1, 1]
+    nvlinked = sorted(tuple(link["gpus"]) for link in view["links"] if link["nvlink"])
+    assert nvlinked == [(0, 1), (2, 3)]
+    assert "pair_scores" in view
+
+
+async def test_sigterm_removes_the_socket_and_exits_zero() -> None:
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--nvml", "mock:single-h200", "--kubelet-dir", str(directory), "--no-kube",
+        "--metrics-port", "0", stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await kubelet.wait_for({"nvidia.com/gpu"}, 30)
+        socket = directory / kubelet.plugins["nvidia.com/gpu"].endpoint
+        assert socket.is_socket()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        assert proc.returncode == 0, stderr.decode()
+        assert not socket.exists()
+        assert b"Traceback" not in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""Node labels: GPU feature discovery compatible values, topology labels, and what the agent owns."""
+
+from __future__ import annotations
+
+from agent.config import DEFAULT_CONFIG
+from agent.kube.reconciler import label_diff
+from agent.labels import family, node_labels, owned, sanitise
+from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory, PairLink
+from agent.state import NodeState
+
+
+def gpu(index: int, numa: int) -> GpuInfo:
+    return GpuInfo(
+        index=index, uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000", name="NVIDIA A100-SXM4-80GB",
+        pci_bus_id=f"00000000:{index + 16:02X}:00.0", minor=index, memory_mib=81920, architecture="ampere",
+        compute_capability=(8, 0), numa_node=numa, mig_capable=True, mig_enabled=False, mig_pending=False,
+    )
+
+
+def state(links: list[PairLink]) -> NodeState:
+    return NodeState(
+        version=1,
+        inventory=NodeInventory(
+            driver=DriverInfo("570.133.20", "12.8"),
+            gpus=tuple(gpu(i, 0 if i < 2 else 1) for i in range(4)),
+            links=tuple(links),
+        ),
+    )
+
+
+PAIRS = [PairLink(0, 1, 12, "single"), PairLink(0, 2, 0, "system"), PairLink(0, 3, 0, "system"),
+         PairLink(1, 2, 0, "system"), PairLink(1, 3, 0, "system"), PairLink(2, 3, 12, "single")]
+
+
+def test_labels_of_a_node_with_nvlink_pairs() -> None:
+    assert node_labels(state(PAIRS), DEFAULT_CONFIG) == {
+        "nvidia.com/cuda.driver-version.full": "570.133.20",
+        "nvidia.com/cuda.driver-version.major": "570",
+        "nvidia.com/cuda.driver-version.minor": "133",
+        "nvidia.com/cuda.driver-version.revision": "20",
+        "nvidia.com/cuda.runtime-version.full": "12.8",
+        "nvidia.com/cuda.runtime-version.major": "12",
+        "nvidia.com/cuda.runtime-version.minor": "8",
+        "nvidia.com/gpu.count": "4",
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+        "nvidia.com/gpu.memory": "81920",
+        "nvidia.com/gpu.family": "ampere",
+        "nvidia.com/gpu.compute.major": "8",
+        "nvidia.com/gpu.compute.minor": "0",
+        "nvidia.com/gpu.replicas": "1",
+        "nvidia.com/gpu.sharing-strategy": "none",
+        "nvidia.com/mig.capable": "true",
+        "gpu-node-agent.io/numa.nodes": "2",
+        "gpu-node-agent.io/numa.max-gpus": "2",
+        "gpu-node-agent.io/nvlink.largest-group": "2",
+        "gpu-node-agent.io/nvlink.full-mesh": "false",
+    }
+
+
+def test_full_mesh_and_largest_group() -> None:
+    mesh = [PairLink(a, b, 18, "node") for a in range(4) for b in range(a + 1, 4)]
+    labels = node_labels(state(mesh), DEFAULT_CONFIG)
+    assert (labels["gpu-node-agent.io/nvlink.largest-group"], labels["gpu-node-agent.io/nvlink.full-mesh"]) == (
+        "4", "true"
+    )
+
+
+def test_family_and_sanitise() -> None:
+    assert [family(7, 0), family(7, 5), family(8, 0), family(8, 9), family(9, 0), family(4, 0)] == [
+        "volta", "turing", "ampere", "ada-lovelace", "hopper", "undefined"
+    ]
+    assert sanitise("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert sanitise("Tesla T4 (rev a1)") == "Tesla-T4-rev-a1"
+
+
+def test_owned_keys() -> None:
+    assert owned("nvidia.com/gpu.product") and owned("gpu-node-agent.io/anything")
+    assert not owned("nvidia.com/gpu.present")
+    assert not owned("nvidia.com/gpu.deploy.device-plugin")
+    assert not owned("nvidia.com/mig.config")
+    assert not owned("kubernetes.io/hostname")
+
+
+def test_label_diff_touches_only_owned_keys() -> None:
+    current = {
+        "kubernetes.io/hostname": "n1",
+        "nvidia.com/gpu.count": "8",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "gpu-node-agent.io/stale": "x",
+        "nvidia.com/mig.config": "all-1g.10gb",
+    }
+    desired = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.product": "NVIDIA-H200", "gpu-node-agent.io/new": "1"}
+    assert label_diff(current, desired, owned) == {
+        "nvidia.com/gpu.product": "NVIDIA-H200",
+        "gpu-node-agent.io/new": "1",
+        "gpu-node-agent.io/stale": None,
+    }
+    assert label_diff({**current, **desired, "gpu-node-agent.io/stale": "x"}, desired, owned) == {
+        "gpu-node-agent.io/stale": None
+    }
+    assert label_diff(desired, desired, owned) == {}
