@@ -1,0 +1,450 @@
+"""Deployment files: the kustomize base in daemonset/ (what it grants, mounts and runs) and the image's locks.
+
+The ValidatingAdmissionPolicy's CEL is only checked for form here; its behaviour needs a real API server.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from agent.config import parse_config
+from agent.labels import OWN_PREFIX, OWNED_NVIDIA_KEYS
+
+BASE = Path(__file__).resolve().parents[2] / "daemonset"
+NAMESPACE = "gpu-node-agent"
+SERVICE_ACCOUNT = "gpu-node-agent"
+USERNAME = f"system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}"
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((BASE / name).read_text()) if doc is not None]
+
+
+def manifests() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every object in the base, by (kind, name)."""
+    objects: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(BASE.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in load(path.name):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in objects, f"{key} defined twice"
+            objects[key] = doc
+    return objects
+
+
+def one(kind: str, name: str) -> dict[str, Any]:
+    return manifests()[(kind, name)]
+
+
+def pod_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = one("DaemonSet", "gpu-node-agent")["spec"]["template"]["spec"]
+    return spec
+
+
+def container() -> dict[str, Any]:
+    containers = pod_spec()["containers"]
+    assert [c["name"] for c in containers] == ["gpu-node-agent"]
+    c: dict[str, Any] = containers[0]
+    return c
+
+
+def strings(value: Any) -> list[str]:
+    """Every string in a parsed YAML value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [*strings(k), *strings(v)]]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+# --- the base as a whole ----------------------------------------------------------------------------
+
+
+def test_every_file_parses_and_holds_named_objects() -> None:
+    files = sorted(p.name for p in BASE.iterdir())
+    assert files, "daemonset/ is empty"
+    for name in files:
+        assert name.endswith(".yaml"), f"{name}: only YAML belongs in the base"
+        docs = load(name)
+        assert docs, f"{name} holds no document"
+        if name == "kustomization.yaml":
+            continue
+        for doc in docs:
+            assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"], name
+
+
+def test_kustomization_lists_every_file_once() -> None:
+    (kustomization,) = load("kustomization.yaml")
+    assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert kustomization["kind"] == "Kustomization"
+    resources = kustomization["resources"]
+    assert len(resources) == len(set(resources))
+    on_disk = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(resources) == on_disk
+
+
+def test_the_base_holds_exactly_these_objects() -> None:
+    assert set(manifests()) == {
+        ("Namespace", NAMESPACE),
+        ("ServiceAccount", SERVICE_ACCOUNT),
+        ("ClusterRole", "gpu-node-agent"),
+        ("ClusterRoleBinding", "gpu-node-agent"),
+        ("ValidatingAdmissionPolicy", "gpu-node-agent-own-node"),
+        ("ValidatingAdmissionPolicyBinding", "gpu-node-agent-own-node"),
+        ("ConfigMap", "gpu-node-agent-config"),
+        ("ConfigMap", "gpu-node-agent-mig-layouts"),
+        ("DaemonSet", "gpu-node-agent"),
+    }
+
+
+def test_namespaced_objects_live_in_the_agent_namespace() -> None:
+    for (kind, name), doc in manifests().items():
+        if kind in ("ServiceAccount", "ConfigMap", "DaemonSet"):
+            assert doc["metadata"]["namespace"] == NAMESPACE, f"{kind}/{name}"
+        else:
+            assert "namespace" not in doc["metadata"], f"{kind}/{name} is cluster-scoped"
+
+
+def test_namespace_admits_the_agent_under_pod_security() -> None:
+    labels = one("Namespace", NAMESPACE)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+# --- API access --------------------------------------------------------------------------------------
+
+
+def test_cluster_role_grants_exactly_the_agent_verbs() -> None:
+    role = one("ClusterRole", "gpu-node-agent")
+    assert role["apiVersion"] == "rbac.authorization.k8s.io/v1"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]
+
+
+def test_no_wildcard_and_no_secrets_in_any_rbac_object() -> None:
+    for (kind, name), doc in manifests().items():
+        if kind not in ("ClusterRole", "ClusterRoleBinding"):
+            continue
+        values = strings({k: v for k, v in doc.items() if k != "metadata"})
+        assert not [s for s in values if "*" in s], f"{kind}/{name} has a wildcard"
+        assert not [s for s in values if "secret" in s.lower()], f"{kind}/{name} mentions secrets"
+
+
+def test_cluster_role_binding_binds_the_role_to_the_service_account_only() -> None:
+    binding = one("ClusterRoleBinding", "gpu-node-agent")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "gpu-node-agent",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}]
+
+
+def test_token_is_mounted_only_in_the_agent_pods() -> None:
+    assert one("ServiceAccount", SERVICE_ACCOUNT)["automountServiceAccountToken"] is False
+    spec = pod_spec()
+    assert spec["serviceAccountName"] == SERVICE_ACCOUNT
+    assert spec["automountServiceAccountToken"] is True
+
+
+# --- the ValidatingAdmissionPolicy ----------------------------------------------------------------------
+
+
+def policy_spec() -> dict[str, Any]:
+    policy = one("ValidatingAdmissionPolicy", "gpu-node-agent-own-node")
+    assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+    spec: dict[str, Any] = policy["spec"]
+    return spec
+
+
+def variable(name: str) -> str:
+    (expression,) = [v["expression"] for v in policy_spec()["variables"] if v["name"] == name]
+    return str(expression)
+
+
+def test_policy_applies_to_the_agent_service_account_only() -> None:
+    spec = policy_spec()
+    (condition,) = spec["matchConditions"]
+    assert condition["expression"].strip() == f"request.userInfo.username == '{USERNAME}'"
+
+
+def test_policy_covers_every_node_write_and_fails_closed() -> None:
+    spec = policy_spec()
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE", "UPDATE", "DELETE"],
+            "resources": ["nodes", "nodes/status"],
+            "scope": "Cluster",
+        }
+    ]
+
+
+def test_policy_binding_denies() -> None:
+    binding = one("ValidatingAdmissionPolicyBinding", "gpu-node-agent-own-node")
+    assert binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"] == {"policyName": "gpu-node-agent-own-node", "validationActions": ["Deny"]}
+
+
+def test_policy_binds_writes_to_the_node_named_in_the_token() -> None:
+    assert "request.userInfo.extra['authentication.kubernetes.io/node-name'][0]" in variable("boundNode")
+    node_checks = [v["expression"] for v in policy_spec()["validations"] if "variables.boundNode" in v["expression"]]
+    assert len(node_checks) == 1
+    assert "object.metadata.name == variables.boundNode" in node_checks[0]
+
+
+def test_policy_lets_the_agent_write_every_label_it_owns() -> None:
+    foreign = variable("foreignLabelKeys")
+    prefixes = re.findall(r"startsWith\('([^']+)'\)", foreign)
+    reserved = re.findall(r"k == '([^']+)'", foreign)
+    owned_prefixes = ["nvidia.com/gpu.", "nvidia.com/mig.", "nvidia.com/cuda.", "gpu-node-agent.io/"]
+    assert prefixes == [*owned_prefixes, "nvidia.com/gpu.deploy."]
+    assert reserved == ["nvidia.com/mig.config", "nvidia.com/gpu.present"]
+    assert variable("oldForeignLabelKeys") == foreign.replace("variables.labels", "variables.oldLabels")
+    for key in [*sorted(OWNED_NVIDIA_KEYS), OWN_PREFIX + "numa.nodes"]:
+        assert any(key.startswith(p) for p in owned_prefixes), key
+        assert key not in reserved and not key.startswith("nvidia.com/gpu.deploy."), key
+
+
+def test_policy_owned_annotations_taints_and_condition() -> None:
+    annotations = variable("foreignAnnotationKeys")
+    assert re.findall(r"startsWith\('([^']+)'\)", annotations) == [
+        "nvidia.com/mig.config.state",
+        "gpu-node-agent.io/",
+    ]
+    assert "!t.key.startsWith('gpu-node-agent.io/')" in variable("foreignTaints")
+    assert "c.type != 'GPUHealthy'" in variable("foreignConditions")
+
+
+def balanced(expression: str) -> bool:
+    """Brackets pair up and quotes close, outside string literals."""
+    pairs = {")": "(", "]": "[", "}": "{"}
+    stack: list[str] = []
+    quote = ""
+    for ch in expression:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            stack.append(ch)
+        elif ch in pairs and (not stack or stack.pop() != pairs[ch]):
+            return False
+    return not stack and not quote
+
+
+def test_policy_expressions_are_well_formed() -> None:
+    spec = policy_spec()
+    defined: list[str] = []
+    expressions = [c["expression"] for c in spec["matchConditions"]]
+    for v in spec["variables"]:
+        # A variable may use only those defined before it.
+        used = set(re.findall(r"variables\.(\w+)", v["expression"]))
+        assert used <= set(defined), f"{v['name']} uses {used - set(defined)} before their definition"
+        defined.append(v["name"])
+        expressions.append(v["expression"])
+    assert len(defined) == len(set(defined))
+    for rule in spec["validations"]:
+        assert rule.get("message") or rule.get("messageExpression")
+        assert rule["reason"] == "Forbidden"
+        expressions += [rule["expression"], rule.get("messageExpression", "''")]
+        assert set(re.findall(r"variables\.(\w+)", rule["expression"])) <= set(defined)
+    for expression in expressions:
+        assert isinstance(expression, str) and expression.strip()
+        assert balanced(expression), expression
+
+
+# --- configuration ----------------------------------------------------------------------------------------
+
+
+def test_agent_config_is_minimal_and_accepted_by_the_agent() -> None:
+    data = one("ConfigMap", "gpu-node-agent-config")["data"]
+    assert list(data) == ["config.yaml"]
+    assert yaml.safe_load(data["config.yaml"]) == {"version": "v1"}
+    assert parse_config(data["config.yaml"]).version == "v1"
+
+
+def test_mig_layouts_placeholder_names_only_the_default() -> None:
+    data = one("ConfigMap", "gpu-node-agent-mig-layouts")["data"]
+    assert list(data) == ["mig-layouts.yaml"]
+    assert yaml.safe_load(data["mig-layouts.yaml"]) == {
+        "version": "v1",
+        "mig-configs": {"all-disabled": [{"devices": "all", "mig-enabled": False}]},
+    }
+
+
+# --- the DaemonSet ------------------------------------------------------------------------------------------
+
+
+def test_daemonset_runs_on_gpu_nodes_as_node_critical() -> None:
+    ds = one("DaemonSet", "gpu-node-agent")
+    assert ds["apiVersion"] == "apps/v1"
+    assert ds["spec"]["selector"]["matchLabels"] == ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }
+    spec = pod_spec()
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] == [
+        {"key": "gpu-node-agent.io/gpu-fault", "operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(host_namespace, False), host_namespace
+
+
+def test_container_runs_the_agent_for_its_own_node() -> None:
+    c = container()
+    assert c["image"] == "gpu-node-agent:0.1.0"
+    assert c["command"] == ["gpu-agent"]
+    assert c["args"] == [
+        "run", "--config", "/etc/gpu-agent/config.yaml", "--node-name", "$(NODE_NAME)", "--nvml", "real",
+        "--kubelet-dir", "/var/lib/kubelet/device-plugins", "--metrics-port", "9400", "--log-format", "json",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"] == {
+        "name": "NODE_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+    }
+    assert {name: e.get("value") for name, e in env.items() if name != "NODE_NAME"} == {
+        "NVIDIA_VISIBLE_DEVICES": "all",
+        "NVIDIA_DRIVER_CAPABILITIES": "utility",
+        "NVIDIA_MIG_CONFIG_DEVICES": "all",
+        "NVIDIA_MIG_MONITOR_DEVICES": "all",
+    }
+
+
+def test_probes_and_metrics_port() -> None:
+    c = container()
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert {
+        probe: (c[probe]["httpGet"]["path"], c[probe]["httpGet"]["port"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe")
+    } == {
+        "startupProbe": ("/healthz", 9400),
+        "livenessProbe": ("/healthz", 9400),
+        "readinessProbe": ("/readyz", 9400),
+    }
+
+
+def test_resources_fit_the_agent_budget() -> None:
+    assert container()["resources"] == {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"cpu": "200m", "memory": "128Mi"},
+    }
+
+
+def test_security_context_adds_back_only_sys_admin() -> None:
+    assert container()["securityContext"] == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert pod_spec()["securityContext"] == {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def test_host_paths_are_exactly_these() -> None:
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    host_paths = {
+        name: (v["hostPath"]["path"], v["hostPath"]["type"]) for name, v in volumes.items() if "hostPath" in v
+    }
+    assert host_paths == {
+        "device-plugins": ("/var/lib/kubelet/device-plugins", "Directory"),
+        "pod-resources": ("/var/lib/kubelet/pod-resources", "Directory"),
+        "state": ("/var/lib/gpu-node-agent", "DirectoryOrCreate"),
+        "nvidia-caps": ("/dev/nvidia-caps", "DirectoryOrCreate"),
+    }
+    mounts = {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in container()["volumeMounts"]}
+    assert mounts == {
+        "device-plugins": ("/var/lib/kubelet/device-plugins", False),
+        "pod-resources": ("/var/lib/kubelet/pod-resources", True),
+        "state": ("/var/lib/gpu-node-agent", False),
+        "nvidia-caps": ("/host/dev/nvidia-caps", True),
+        "config": ("/etc/gpu-agent", True),
+        "tmp": ("/tmp", False),
+    }
+    assert set(mounts) == set(volumes)
+
+
+def test_config_volume_holds_both_config_maps_at_the_paths_the_agent_reads() -> None:
+    (config,) = [v for v in pod_spec()["volumes"] if v["name"] == "config"]
+    sources = [s["configMap"] for s in config["projected"]["sources"]]
+    assert sources == [
+        {"name": "gpu-node-agent-config", "items": [{"key": "config.yaml", "path": "config.yaml"}]},
+        {
+            "name": "gpu-node-agent-mig-layouts",
+            "items": [{"key": "mig-layouts.yaml", "path": "mig-layouts.yaml"}],
+        },
+    ]
+    for source in sources:
+        assert source["items"][0]["key"] in one("ConfigMap", source["name"])["data"]
+    args = container()["args"]
+    assert args[args.index("--config") + 1] == "/etc/gpu-agent/config.yaml"
+
+
+@pytest.mark.parametrize("flag", ["--kubelet-dir", "--metrics-port"])
+def test_flags_agree_with_the_mounts_and_ports(flag: str) -> None:
+    c = container()
+    value = c["args"][c["args"].index(flag) + 1]
+    if flag == "--kubelet-dir":
+        assert value in [m["mountPath"] for m in c["volumeMounts"]]
+    else:
+        assert int(value) == c["ports"][0]["containerPort"]
+
+
+# --- the image's dependency lock -----------------------------------------------------------------------
+
+
+def locked(path: Path) -> dict[str, tuple[str, int]]:
+    """name -> (pinned version, number of hashes) from a pip-compile --generate-hashes file."""
+    pins: dict[str, tuple[str, int]] = {}
+    for entry in re.split(r"\n(?=\S)", path.read_text()):
+        match = re.match(r"([A-Za-z0-9._-]+)==(\S+)", entry)
+        if match:
+            name = re.sub(r"[-_.]+", "-", match[1]).lower()
+            pins[name] = (match[2], entry.count("--hash=sha256:"))
+    return pins
+
+
+@pytest.mark.parametrize(
+    ("lock", "table"),
+    [("requirements.lock", ("project", "dependencies")), ("requirements-build.lock", ("build-system", "requires"))],
+)
+def test_lock_pins_every_requirement_of_pyproject_with_hashes(lock: str, table: tuple[str, str]) -> None:
+    root = BASE.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    pins = locked(root / lock)
+    assert pins and all(hashes > 0 for _, hashes in pins.values())
+    for text in pyproject[table[0]][table[1]]:
+        requirement = Requirement(text)
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert name in pins, f"{lock} lacks {name}: regenerate it with the command in its header"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), (
+            f"{lock} pins {name}=={pins[name][0]}, outside {requirement.specifier}"
+        )
