@@ -79,8 +79,17 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--node", required=True, metavar="PRESET|FILE", help="simulated node preset or file")
     sim.add_argument("--config", type=Path, metavar="FILE", help="agent config file (version: v1)")
     sim.add_argument("--mock-state", type=Path, metavar="FILE", help="persist the fake NVML's state in FILE")
+    sim.add_argument("--inject-xid", action="append", default=[], metavar="GPU:XID", type=_gpu_xid,
+                     help="after start, inject XID on GPU (by index); repeatable")
     sim.add_argument("--json", action="store_true", help="machine-readable output")
     return top
+
+
+def _gpu_xid(text: str) -> tuple[int, int]:
+    gpu, sep, xid = text.partition(":")
+    if not (sep and gpu.isdigit() and xid.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected GPU:XID with two numbers, e.g. 3:79, got {text!r}")
+    return int(gpu), int(xid)
 
 
 def _backend(selector: str, mock_state: Path | None) -> Any:
@@ -203,16 +212,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from agent.simulate import describe, simulate
+    from agent.simulate import SimulationError, describe, simulate
 
-    setup_logging("text", logging.WARNING)
+    setup_logging("text", logging.ERROR)
     config = load_config(args.config)
     backend = _backend(f"mock:{args.node}", args.mock_state)
     from agent.nvml.backend import NvmlUnavailable
 
     try:
-        view = asyncio.run(simulate(backend, config, node_name=_node_name(args.node)))
-    except NvmlUnavailable as err:
+        view = asyncio.run(simulate(backend, config, node_name=_node_name(args.node), inject_xids=args.inject_xid))
+    except (NvmlUnavailable, SimulationError) as err:
         raise CliError(str(err)) from err
     print(json.dumps(view, indent=2) if args.json else describe(view))
     return 0

@@ -17,8 +17,7 @@ from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
 from agent.inventory import GPU_RESOURCE, Device, resources
-from agent.kube.node import NodeApi
-from agent.kube.reconciler import NodeReconciler
+from agent.kube.reconciler import NodeClient, NodeReconciler, TaintPolicy, node_intent
 from agent.labels import node_labels, owned
 from agent.metrics import HttpEndpoint, Metrics
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
@@ -40,7 +39,7 @@ class AgentOptions:
     kubelet_dir: Path
     metrics_port: int | None = 9400
     metrics_host: str = "0.0.0.0"
-    kube: NodeApi | None = None
+    kube: NodeClient | None = None
     """The agent's own Node in the API server; None runs without one (--no-kube)."""
 
 
@@ -84,6 +83,7 @@ class Agent:
         self.bus: StateBus | None = None
         self.plugins: PluginSet | None = None
         self.reconciler: NodeReconciler | None = None
+        self.monitor: HealthMonitor | None = None
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
@@ -129,11 +129,16 @@ class Agent:
             prefer=gpu_preference(lambda: bus.current),
         )
         self.plugins = PluginSet([servicer], opts.kubelet_dir)
-        monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml, config.health)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
         if opts.kube is not None:
-            self.reconciler = NodeReconciler(opts.kube, bus, lambda s: node_labels(s, config), owned)
+            taint = TaintPolicy(
+                config.health.taint.key, config.health.taint.effect, config.health.node_fatal_unhealthy_gpus
+            )
+            self.reconciler = NodeReconciler(
+                opts.kube, bus, lambda s: node_intent(s, node_labels(s, config), taint), owned, taint.key
+            )
             self._spawn("node-reconciler", self.reconciler.run)
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s",
@@ -154,8 +159,9 @@ class Agent:
             await self.plugins.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
-        if self.options.kube is not None:
-            await self.options.kube.close()
+        close = getattr(self.options.kube, "close", None)
+        if close is not None:
+            await close()
         with contextlib.suppress(Exception):
             await self.nvml(self.backend.shutdown)
         self.nvml.close()

@@ -15,9 +15,25 @@ from agent.nvml.backend import NodeInventory
 class DeviceHealth:
     healthy: bool = True
     reason: str = ""
+    node_fatal: bool = False
+    """The fault concerns the whole node (for example a GPU off the bus): the node is tainted."""
 
 
 HEALTHY = DeviceHealth()
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A health change worth telling operators about; the node reconciler turns each into an Event."""
+
+    seq: int
+    gpu_uuid: str
+    kind: str
+    """"fault", "warning" or "recovered"."""
+    message: str
+
+
+MAX_INCIDENTS = 64
 
 
 @dataclass(frozen=True)
@@ -30,9 +46,22 @@ class NodeState:
     """Health by GPU UUID; a GPU missing here is healthy. MIG devices and replicas inherit their GPU's."""
     draining: frozenset[str] = frozenset()
     """GPU UUIDs whose devices are withdrawn while their MIG layout changes."""
+    incidents: tuple[Incident, ...] = ()
+    """The newest incidents, oldest first, at most MAX_INCIDENTS."""
 
     def gpu_health(self, uuid: str) -> DeviceHealth:
         return self.health.get(uuid, HEALTHY)
+
+    def node_fault(self, unhealthy_threshold: int = 0) -> str | None:
+        """Why the node as a whole is faulty, or None: a node-fatal GPU fault, or at least
+        `unhealthy_threshold` (when above 0) unhealthy GPUs."""
+        fatal = sorted(h.reason for h in self.health.values() if h.node_fatal)
+        if fatal:
+            return fatal[0]
+        unhealthy = sum(not h.healthy for h in self.health.values())
+        if unhealthy_threshold and unhealthy >= unhealthy_threshold:
+            return f"{unhealthy} GPUs unhealthy"
+        return None
 
     def evolve(self, **changes: object) -> NodeState:
         """The next version with the given fields replaced."""

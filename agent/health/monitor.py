@@ -7,9 +7,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
 from agent.nvml.backend import NvmlBackend
-from agent.state import DeviceHealth, StateBus
+from agent.state import MAX_INCIDENTS, DeviceHealth, Incident, StateBus
 
 log = logging.getLogger(__name__)
 
@@ -17,40 +18,88 @@ T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 EVENT_WAIT_MS = 200
-"""One event wait on the NVML thread; short so periodic samples interleave without concurrent NVML calls."""
-SAMPLE_INTERVAL_S = 5.0
+"""One event wait on the NVML thread; short so samples interleave without concurrent NVML calls."""
 
 
 class HealthMonitor:
-    """Producer of device health. An unhealthy verdict from an event sticks; one from a sample clears when
-    a later sample is clean (a GPU that comes back on the bus is healthy again)."""
+    """Producer of device health.
 
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any]) -> None:
+    A fault (from an XID or a sample) makes the GPU unhealthy at once. It is healthy again only after
+    `recoveryChecks` consecutive clean samples with no new fault: a GPU off the bus stays faulty until it
+    answers, one with uncorrected ECC errors until it is reset.
+    """
+
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], policy: HealthSettings) -> None:
         self._backend = backend
         self._bus = bus
         self._nvml = nvml
-        self._from_events: dict[str, Verdict] = {}
-        self._from_samples: dict[str, Verdict] = {}
+        self._policy = policy
+        self._faults: dict[str, Verdict] = {}
+        self._clean: dict[str, int] = {}
+        self._warned: dict[str, str] = {}
+        self._pending: list[tuple[str, str, str]] = []
+        self._seq = 0
+        self.events_seen = 0
+        """XID events taken from NVML so far (simulate waits on this)."""
+
+    def _fault(self, uuid: str, verdict: Verdict) -> None:
+        self._clean[uuid] = 0
+        if self._faults.get(uuid) != verdict:
+            self._faults[uuid] = verdict
+            self._pending.append((uuid, "fault", verdict.reason))
+
+    def _warn(self, uuid: str, reason: str) -> None:
+        if self._warned.get(uuid) != reason:
+            self._warned[uuid] = reason
+            self._pending.append((uuid, "warning", reason))
+
+    def _clean_sample(self, uuid: str) -> None:
+        """A sample with no fault (a warning may still stand) counts towards recovery."""
+        self._clean[uuid] = self._clean.get(uuid, 0) + 1
+        fault = self._faults.get(uuid)
+        if fault is not None and self._clean[uuid] >= self._policy.recovery_checks:
+            del self._faults[uuid]
+            self._pending.append((uuid, "recovered", f"recovered from {fault.reason}"))
 
     async def _publish(self) -> None:
-        health: dict[str, DeviceHealth] = {}
-        for source in (self._from_samples, self._from_events):
-            for uuid, verdict in source.items():
-                if verdict.action in ("unhealthy", "node-fatal") and uuid not in health:
-                    health[uuid] = DeviceHealth(healthy=False, reason=verdict.reason)
-        if health != dict(self._bus.current.health):
-            log.warning("device health changed: %s", {u: h.reason for u, h in health.items()} or "all healthy")
-            await self._bus.update(health=health)
+        health = {
+            uuid: DeviceHealth(healthy=False, reason=v.reason, node_fatal=v.action == "node-fatal")
+            for uuid, v in self._faults.items()
+        }
+        state = self._bus.current
+        if health == dict(state.health) and not self._pending:
+            return
+        incidents = list(state.incidents)
+        for uuid, kind, message in self._pending:
+            self._seq += 1
+            incidents.append(Incident(self._seq, uuid, kind, message))
+            level = logging.INFO if kind == "recovered" else logging.WARNING
+            log.log(level, "GPU %s: %s: %s", uuid, kind, message)
+        self._pending.clear()
+        await self._bus.update(health=health, incidents=tuple(incidents[-MAX_INCIDENTS:]))
 
     async def sample(self) -> None:
-        gpus = self._bus.current.inventory.gpus
-        samples: dict[str, Verdict] = {}
-        for gpu in gpus:
+        for gpu in self._bus.current.inventory.gpus:
             reading = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
-            verdict = classify_reading(reading)
-            if verdict.action != "ignore":
-                samples[gpu.uuid] = verdict
-        self._from_samples = samples
+            verdict = classify_reading(reading, self._policy)
+            if verdict.faulty:
+                self._fault(gpu.uuid, verdict)
+            else:
+                if verdict.action == "warn":
+                    self._warn(gpu.uuid, verdict.reason)
+                else:
+                    self._warned.pop(gpu.uuid, None)
+                self._clean_sample(gpu.uuid)
+        await self._publish()
+
+    async def on_xid(self, gpu_uuid: str, xid: int) -> None:
+        verdict = classify_xid(xid, self._policy)
+        if verdict.faulty:
+            self._fault(gpu_uuid, verdict)
+        elif verdict.action == "warn":
+            self._pending.append((gpu_uuid, "warning", verdict.reason))
+        else:
+            log.info("GPU %s: %s ignored by policy", gpu_uuid, verdict.reason)
         await self._publish()
 
     async def run(self) -> None:
@@ -61,14 +110,10 @@ class HealthMonitor:
             while True:
                 if loop.time() >= next_sample:
                     await self.sample()
-                    next_sample = loop.time() + SAMPLE_INTERVAL_S
+                    next_sample = loop.time() + self._policy.sample_interval_seconds
                 event = await self._nvml(lambda: self._backend.wait_event(event_set, EVENT_WAIT_MS))
-                if event is None:
-                    continue
-                verdict = classify_xid(event.xid)
-                log.warning("XID %d on %s: %s", event.xid, event.gpu_uuid, verdict.action)
-                if verdict.action in ("unhealthy", "node-fatal"):
-                    self._from_events[event.gpu_uuid] = verdict
-                    await self._publish()
+                if event is not None:
+                    await self.on_xid(event.gpu_uuid, event.xid)
+                    self.events_seen += 1
         finally:
             await self._nvml(lambda: self._backend.close_events(event_set))

@@ -1,20 +1,18 @@
-"""What each health signal means for a device: ignore, warn, unhealthy, or node-fatal."""
+"""What each health signal means for a GPU, by the config's policy: ignore, warn, unhealthy or node-fatal."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from agent.config import Action, HealthSettings
 from agent.nvml.backend import HealthReading
 
-Action = Literal["ignore", "warn", "unhealthy", "node-fatal"]
+SEVERITY: dict[Action, int] = {"ignore": 0, "warn": 1, "unhealthy": 2, "node-fatal": 3}
 
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-"""Faults of the application, not the GPU: the GPU stays usable."""
-WARN_XIDS = frozenset({63, 92, 94})
-"""Pending row remap, excessive single-bit ECC, contained ECC error: the GPU stays usable."""
-NODE_FATAL_XIDS = frozenset({79, 151, 160})
-"""The GPU is off the bus or the node needs a reboot."""
+THERMAL_REASONS = 0x20 | 0x40
+"""SwThermalSlowdown | HwThermalSlowdown clock-event reasons."""
+POWER_BRAKE_REASON = 0x80
+"""HwPowerBrakeSlowdown clock-event reason."""
 
 
 @dataclass(frozen=True)
@@ -22,25 +20,40 @@ class Verdict:
     action: Action
     reason: str
 
-
-def classify_xid(xid: int) -> Verdict:
-    if xid in APPLICATION_XIDS:
-        return Verdict("ignore", f"XID {xid} (application error)")
-    if xid in WARN_XIDS:
-        return Verdict("warn", f"XID {xid}")
-    if xid in NODE_FATAL_XIDS:
-        return Verdict("node-fatal", f"XID {xid}")
-    return Verdict("unhealthy", f"XID {xid}")
+    @property
+    def faulty(self) -> bool:
+        return SEVERITY[self.action] >= SEVERITY["unhealthy"]
 
 
-def classify_reading(reading: HealthReading) -> Verdict:
+CLEAN = Verdict("ignore", "")
+
+
+def worst(verdicts: list[Verdict]) -> Verdict:
+    return max(verdicts, key=lambda v: SEVERITY[v.action], default=CLEAN)
+
+
+def classify_xid(xid: int, policy: HealthSettings) -> Verdict:
+    return Verdict(policy.xid_action(xid), f"XID {xid}")
+
+
+def classify_reading(reading: HealthReading, policy: HealthSettings) -> Verdict:
     """The verdict of one periodic sample; the worst signal wins."""
+    checks = policy.checks
     if reading.lost:
-        return Verdict("node-fatal", "GPU is lost (fallen off the bus)")
-    if reading.remapped_rows_failure:
-        return Verdict("unhealthy", "row remapping failed")
+        return Verdict(checks.gpu_lost, "GPU is lost (fallen off the bus)")
+    found = []
     if reading.ecc_uncorrected_volatile:
-        return Verdict("unhealthy", f"{reading.ecc_uncorrected_volatile} uncorrected ECC error(s) since reset")
-    if reading.remapped_rows_pending or reading.retired_pages_pending:
-        return Verdict("warn", "memory repair pending a GPU reset")
-    return Verdict("ignore", "")
+        found.append(Verdict(checks.ecc_uncorrected,
+                             f"{reading.ecc_uncorrected_volatile} uncorrected ECC error(s) since the last reset"))
+    if reading.remapped_rows_failure:
+        found.append(Verdict(checks.remapped_rows_failure, "row remapping failed"))
+    if reading.remapped_rows_pending:
+        found.append(Verdict(checks.remapped_rows_pending, "row remapping pending a GPU reset"))
+    if reading.retired_pages_pending:
+        found.append(Verdict(checks.retired_pages_pending, "page retirement pending a GPU reset"))
+    reasons = reading.clock_event_reasons or 0
+    if reasons & THERMAL_REASONS:
+        found.append(Verdict(checks.thermal_throttle, "thermal slowdown"))
+    if reasons & POWER_BRAKE_REASON:
+        found.append(Verdict(checks.power_brake, "power brake slowdown"))
+    return worst([v for v in found if v.action != "ignore"])

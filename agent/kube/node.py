@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,26 +24,50 @@ class KubeError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class NodeView:
     name: str
     resource_version: str
+    uid: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, str], ...] = ()
+    conditions: Mapping[str, Condition] = field(default_factory=dict)
+
+
+def _taint(taint: Any) -> dict[str, str]:
+    """A taint as the API wrote it, timeAdded included, so writing the list back changes nothing foreign."""
+    fields = {"key": taint.key, "value": taint.value, "effect": taint.effect}
+    if taint.time_added is not None:
+        added = taint.time_added
+        if isinstance(added, datetime.datetime):
+            added = added.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        fields["timeAdded"] = str(added)
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _view(node: Any) -> NodeView:
     meta = node.metadata
-    taints = tuple(
-        {k: v for k, v in (("key", t.key), ("value", t.value), ("effect", t.effect)) if v is not None}
-        for t in (node.spec.taints or [])
-    )
+    taints = tuple(_taint(t) for t in (node.spec.taints or []))
+    conditions = {
+        c.type: Condition(c.type, c.status, c.reason or "", c.message or "")
+        for c in ((node.status.conditions if node.status else None) or [])
+    }
     return NodeView(
         name=meta.name,
         resource_version=meta.resource_version,
+        uid=meta.uid or "",
         labels=dict(meta.labels or {}),
         annotations=dict(meta.annotations or {}),
         taints=taints,
+        conditions=conditions,
     )
 
 
@@ -100,7 +124,7 @@ class NodeApi:
         )
         return _view(node)
 
-    async def set_taints(self, taints: list[Mapping[str, str]], resource_version: str) -> NodeView:
+    async def set_taints(self, taints: Sequence[Mapping[str, str]], resource_version: str) -> NodeView:
         """Replace spec.taints whole, only if the node is still at `resource_version` (409 otherwise)."""
         self.writes += 1
         node = await self._core.patch_node(
@@ -110,11 +134,22 @@ class NodeApi:
         )
         return _view(node)
 
-    async def event(self, reason: str, message: str, kind: str = "Normal") -> None:
+    async def set_condition(self, condition: Condition) -> NodeView:
+        """Set one node condition (merged by type; the kubelet's own conditions are untouched)."""
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {"status": {"conditions": [{
+            "type": condition.type, "status": condition.status, "reason": condition.reason,
+            "message": condition.message, "lastTransitionTime": now, "lastHeartbeatTime": now,
+        }]}}
+        self.writes += 1
+        node = await self._core.patch_node_status(self.node_name, body)
+        return _view(node)
+
+    async def event(self, reason: str, message: str, kind: str = "Normal", uid: str = "") -> None:
         now = datetime.datetime.now(datetime.UTC)
         body = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{self.node_name}.", namespace="default"),
-            involved_object=client.V1ObjectReference(kind="Node", name=self.node_name, uid=self.node_name),
+            involved_object=client.V1ObjectReference(kind="Node", name=self.node_name, uid=uid or None),
             reason=reason,
             message=message,
             type=kind,

@@ -1,21 +1,67 @@
-"""Makes the Node's agent-owned labels match the newest NodeState, writing only what differs."""
+"""Makes the agent's own parts of its Node (labels, one taint, one condition) match the newest NodeState,
+writing only what differs, and turns health incidents into Events."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from agent.kube.node import NodeApi, NodeView, describe_error, is_expired
+from agent.kube.node import Condition, NodeView, describe_error, is_conflict, is_expired
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
+CONDITION_TYPE = "GPUHealthy"
 
-DesiredLabels = Callable[[NodeState], dict[str, str]]
+
+class NodeClient(Protocol):
+    """What the reconciler needs of the API server: the agent's own Node only."""
+
+    async def get(self) -> NodeView: ...
+    def watch(self, resource_version: str) -> AsyncIterator[NodeView]: ...
+    async def patch_metadata(
+        self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
+    ) -> NodeView: ...
+    async def set_taints(self, taints: Sequence[Mapping[str, str]], resource_version: str) -> NodeView: ...
+    async def set_condition(self, condition: Condition) -> NodeView: ...
+    async def event(self, reason: str, message: str, kind: str = "Normal", uid: str = "") -> None: ...
+
+
+@dataclass(frozen=True)
+class NodeIntent:
+    """What the agent wants its own parts of the Node to be."""
+
+    labels: dict[str, str]
+    taint: dict[str, str] | None
+    condition: Condition
+
+
+@dataclass(frozen=True)
+class TaintPolicy:
+    key: str
+    effect: str
+    unhealthy_threshold: int = 0
+
+
+def node_intent(state: NodeState, labels: dict[str, str], taint: TaintPolicy) -> NodeIntent:
+    fault = state.node_fault(taint.unhealthy_threshold)
+    unhealthy = sorted(h.reason for h in state.health.values() if not h.healthy)
+    total = len(state.inventory.gpus)
+    if fault is not None:
+        condition = Condition(CONDITION_TYPE, "False", "NodeGPUFault", fault)
+    elif unhealthy:
+        condition = Condition(CONDITION_TYPE, "False", "GPUUnhealthy",
+                              f"{len(unhealthy)} of {total} GPUs unhealthy: {', '.join(unhealthy)}")
+    else:
+        condition = Condition(CONDITION_TYPE, "True", "GPUsHealthy", f"all {total} GPUs healthy")
+    own_taint = {"key": taint.key, "value": "true", "effect": taint.effect} if fault is not None else None
+    return NodeIntent(labels, own_taint, condition)
 
 
 def label_diff(
@@ -28,30 +74,81 @@ def label_diff(
     return patch
 
 
+def taints_with(current: tuple[Mapping[str, str], ...], key: str, own: dict[str, str] | None) -> list[dict[str, str]]:
+    """The node's taint list with the agent's own taint set or removed; every other taint kept as it is."""
+    kept = [dict(t) for t in current if t.get("key") != key]
+    return kept + ([own] if own is not None else [])
+
+
 class NodeReconciler:
     """Consumer of NodeState: follows the state bus and the Node watch, converging after either changes.
 
     While the API server is unreachable it retries with backoff and jitter; the device plugin is unaffected.
     """
 
-    def __init__(self, api: NodeApi, bus: StateBus, desired: DesiredLabels, owned: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        api: NodeClient,
+        bus: StateBus,
+        intent: Callable[[NodeState], NodeIntent],
+        owned: Callable[[str], bool],
+        taint_key: str,
+    ) -> None:
         self._api = api
         self._bus = bus
-        self._desired = desired
+        self._intent = intent
         self._owned = owned
+        self._taint_key = taint_key
         self._node: NodeView | None = None
         self._lock = asyncio.Lock()
+        self._emitted = 0
         self.converged = asyncio.Event()
 
     async def converge(self) -> None:
         async with self._lock:
             if self._node is None:
                 return
-            patch = label_diff(self._node.labels, self._desired(self._bus.current), self._owned)
+            state = self._bus.current
+            want = self._intent(state)
+            patch = label_diff(self._node.labels, want.labels, self._owned)
             if patch:
                 log.info("patching node labels: %s", patch)
                 self._node = await self._api.patch_metadata(patch, {})
+            await self._converge_taint(want)
+            have = self._node.conditions.get(CONDITION_TYPE)
+            if have is None or (have.status, have.reason, have.message) != (
+                want.condition.status, want.condition.reason, want.condition.message
+            ):
+                self._node = await self._api.set_condition(want.condition)
+            await self._emit_events(state)
             self.converged.set()
+
+    async def _converge_taint(self, want: NodeIntent) -> None:
+        assert self._node is not None
+        while True:
+            mine = [dict(t) for t in self._node.taints if t.get("key") == self._taint_key]
+            if mine == ([want.taint] if want.taint else []):
+                return
+            taints = taints_with(self._node.taints, self._taint_key, want.taint)
+            try:
+                log.info("setting node taints: %s", taints)
+                self._node = await self._api.set_taints(taints, self._node.resource_version)
+                return
+            except Exception as err:
+                if not is_conflict(err):
+                    raise
+                # Someone else changed the node since we read it: read again and re-apply only our taint.
+                self._node = await self._api.get()
+
+    async def _emit_events(self, state: NodeState) -> None:
+        assert self._node is not None
+        for incident in state.incidents:
+            if incident.seq <= self._emitted:
+                continue
+            kind = "Normal" if incident.kind == "recovered" else "Warning"
+            reason = {"fault": "GPUFault", "warning": "GPUWarning", "recovered": "GPURecovered"}[incident.kind]
+            await self._api.event(reason, f"GPU {incident.gpu_uuid}: {incident.message}", kind, self._node.uid)
+            self._emitted = incident.seq
 
     async def _follow_state(self) -> None:
         version = self._bus.current.version
@@ -59,43 +156,42 @@ class NodeReconciler:
             state = await self._bus.wait_newer(version)
             version = state.version
             self.converged.clear()
-            await self._retrying(self.converge)
+            await _retrying(self.converge)
 
     async def _follow_node(self) -> None:
-        while True:
-            self._node = await self._api.get()
-            await self.converge()
-            try:
-                async for view in self._api.watch(self._node.resource_version):
-                    self._node = view
-                    await self.converge()
-            except Exception as err:
-                if not is_expired(err):
-                    raise
-                log.info("node watch expired; listing again")
-
-    async def _retrying(self, step: Callable[[], object]) -> None:
-        backoff = BACKOFF_MIN_S
-        while True:
-            try:
-                result = step()
-                if asyncio.iscoroutine(result):
-                    await result
-                return
-            except asyncio.CancelledError:
+        """List, converge, then watch and converge on each change; returns when the watch ends."""
+        self._node = await self._api.get()
+        await self.converge()
+        try:
+            async for view in self._api.watch(self._node.resource_version):
+                self._node = view
+                await self.converge()
+        except Exception as err:
+            if not is_expired(err):
                 raise
-            except Exception as err:
-                delay = backoff * random.uniform(0.5, 1.5)
-                log.warning("node update failed (%s); retrying in %.1fs", describe_error(err), delay)
-                await asyncio.sleep(delay)
-                backoff = min(BACKOFF_MAX_S, backoff * 2)
+            log.info("node watch expired; listing again")
 
     async def run(self) -> None:
-        async def node_loop() -> None:
-            await self._retrying(self._follow_node_forever)
+        async def follow_node() -> None:
+            while True:
+                await _retrying(self._follow_node)
 
-        await asyncio.gather(node_loop(), self._follow_state())
+        await asyncio.gather(follow_node(), self._follow_state())
 
-    async def _follow_node_forever(self) -> None:
-        while True:
-            await self._follow_node()
+
+async def _retrying(step: Callable[[], object]) -> None:
+    """Run one step until it succeeds, with exponential backoff and jitter between failures."""
+    backoff = BACKOFF_MIN_S
+    while True:
+        try:
+            result = step()
+            if asyncio.iscoroutine(result):
+                await result
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            delay = backoff * random.uniform(0.5, 1.5)
+            log.warning("node update failed (%s); retrying in %.1fs", describe_error(err), delay)
+            await asyncio.sleep(delay)
+            backoff = min(BACKOFF_MAX_S, backoff * 2)

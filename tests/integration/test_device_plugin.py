@@ -7,7 +7,6 @@ import pytest
 
 from agent.config import parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
-from agent.health import monitor
 from tests.plugin_harness import running_agent, wait_until
 
 DGX_NUMA = [0, 0, 0, 0, 1, 1, 1, 1]
@@ -129,14 +128,20 @@ async def test_xid_marks_gpu_unhealthy_and_allocate_refuses_it() -> None:
         assert caught.value.details() == f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48"
 
 
-async def test_lost_gpu_goes_unhealthy_and_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(monitor, "SAMPLE_INTERVAL_S", 0.05)
-    async with running_agent("pcie-l40s-4") as rig:
+async def test_lost_gpu_goes_unhealthy_and_comes_back_after_clean_samples() -> None:
+    config = parse_config("version: v1\nhealth:\n  sampleIntervalSeconds: 0.05\n  recoveryChecks: 3\n")
+    async with running_agent("pcie-l40s-4", config) as rig:
+        assert rig.agent.monitor is not None
         rig.fake.set_gpu_lost(1)
         await wait_until(lambda: rig.devices()[1].health == "Unhealthy", what="GPU 1 unhealthy")
         assert [d.health for d in rig.devices()] == ["Healthy", "Unhealthy", "Healthy", "Healthy"]
+        state = rig.agent.bus.current  # type: ignore[union-attr]
+        assert state.node_fault() == "GPU is lost (fallen off the bus)"
         rig.fake.set_gpu_lost(1, False)
         await wait_until(lambda: rig.devices()[1].health == "Healthy", what="GPU 1 healthy again")
+        kinds = [(i.kind, i.message) for i in rig.agent.bus.current.incidents]  # type: ignore[union-attr]
+        assert kinds == [("fault", "GPU is lost (fallen off the bus)"),
+                         ("recovered", "recovered from GPU is lost (fallen off the bus)")]
 
 
 async def test_reregisters_after_kubelet_restart() -> None:

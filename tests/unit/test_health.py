@@ -1,0 +1,108 @@
+"""Health policy and hysteresis: XIDs and samples through the fake NVML into NodeState."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from agent.config import DEFAULT_CONFIG, HealthSettings, parse_config
+from agent.health.monitor import HealthMonitor
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.state import NodeState, StateBus
+
+
+async def inline(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+async def monitor_for(policy: HealthSettings = DEFAULT_CONFIG.health) -> tuple[HealthMonitor, StateBus, FakeNvml]:
+    fake = FakeNvml(load_node("pcie-l40s-4"))
+    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend.init()
+    bus = StateBus(NodeState(version=1, inventory=backend.inventory()))
+    return HealthMonitor(backend, bus, inline, policy), bus, fake
+
+
+def unhealthy(bus: StateBus) -> dict[int, str]:
+    state = bus.current
+    health = {g.index: state.gpu_health(g.uuid) for g in state.inventory.gpus}
+    return {index: h.reason for index, h in health.items() if not h.healthy}
+
+
+def uuid(bus: StateBus, index: int) -> str:
+    return bus.current.inventory.gpus[index].uuid
+
+
+async def test_application_xid_changes_nothing() -> None:
+    monitor, bus, _ = await monitor_for()
+    await monitor.on_xid(uuid(bus, 0), 13)
+    assert (bus.current.version, unhealthy(bus), bus.current.incidents) == (1, {}, ())
+
+
+async def test_fault_recovers_only_after_consecutive_clean_samples() -> None:
+    monitor, bus, _ = await monitor_for()
+    await monitor.on_xid(uuid(bus, 2), 48)
+    assert unhealthy(bus) == {2: "XID 48"}
+    await monitor.sample()
+    await monitor.sample()
+    assert unhealthy(bus) == {2: "XID 48"}
+    await monitor.on_xid(uuid(bus, 2), 48)  # flapping: the clean streak starts again
+    for _ in range(2):
+        await monitor.sample()
+    assert unhealthy(bus) == {2: "XID 48"}
+    await monitor.sample()
+    assert unhealthy(bus) == {}
+    assert [(i.kind, i.message) for i in bus.current.incidents] == [
+        ("fault", "XID 48"), ("recovered", "recovered from XID 48")
+    ]
+
+
+async def test_uncorrected_ecc_holds_until_reset() -> None:
+    monitor, bus, fake = await monitor_for()
+    fake.set_ecc_uncorrected(1, 2)
+    for _ in range(5):
+        await monitor.sample()
+    assert unhealthy(bus) == {1: "2 uncorrected ECC error(s) since the last reset"}
+    fake.set_ecc_uncorrected(1, 0)
+    for _ in range(3):
+        await monitor.sample()
+    assert unhealthy(bus) == {}
+
+
+async def test_lost_gpu_is_a_node_fault() -> None:
+    monitor, bus, fake = await monitor_for()
+    fake.set_gpu_lost(3)
+    await monitor.sample()
+    assert unhealthy(bus) == {3: "GPU is lost (fallen off the bus)"}
+    assert bus.current.node_fault() == "GPU is lost (fallen off the bus)"
+
+
+async def test_policy_from_config() -> None:
+    config = parse_config("version: v1\nhealth:\n  xidDefault: ignore\n  xid: {13: unhealthy}\n")
+    monitor, bus, _ = await monitor_for(config.health)
+    await monitor.on_xid(uuid(bus, 0), 62)
+    assert unhealthy(bus) == {}
+    await monitor.on_xid(uuid(bus, 0), 13)
+    await monitor.on_xid(uuid(bus, 1), 79)
+    assert unhealthy(bus) == {0: "XID 13", 1: "XID 79"}
+    assert bus.current.node_fault() == "XID 79"
+
+
+async def test_unhealthy_gpu_count_threshold_makes_a_node_fault() -> None:
+    config = parse_config("version: v1\nhealth:\n  nodeFatalUnhealthyGpus: 2\n")
+    monitor, bus, _ = await monitor_for(config.health)
+    await monitor.on_xid(uuid(bus, 0), 48)
+    assert bus.current.node_fault(config.health.node_fatal_unhealthy_gpus) is None
+    await monitor.on_xid(uuid(bus, 1), 48)
+    assert bus.current.node_fault(config.health.node_fatal_unhealthy_gpus) == "2 GPUs unhealthy"
+
+
+async def test_thermal_slowdown_warns_once() -> None:
+    monitor, bus, fake = await monitor_for()
+    fake.set_clocks_event_reasons(0, 0x40)
+    for _ in range(3):
+        await monitor.sample()
+    assert unhealthy(bus) == {}
+    assert [(i.kind, i.message) for i in bus.current.incidents] == [("warning", "thermal slowdown")]

@@ -1,0 +1,111 @@
+"""The node reconciler against an in-memory Node: owned keys only, foreign taints kept, no steady-state writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from agent.config import DEFAULT_CONFIG
+from agent.kube.node import Condition
+from agent.kube.reconciler import NodeReconciler, TaintPolicy, node_intent, taints_with
+from agent.labels import node_labels, owned
+from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory
+from agent.simulate import InMemoryNode
+from agent.state import DeviceHealth, Incident, NodeState, StateBus
+
+TAINT = TaintPolicy("gpu-node-agent.io/gpu-fault", "NoSchedule")
+FOREIGN_TAINT = {"key": "dedicated", "value": "ml", "effect": "NoSchedule"}
+
+
+def gpu(index: int) -> GpuInfo:
+    return GpuInfo(index, f"GPU-{index}", "NVIDIA L40S", f"00000000:0{index}:00.0", index, 46068, "ada", (8, 9),
+                   0, False, False, False)
+
+
+async def start(node: InMemoryNode) -> tuple[NodeReconciler, StateBus, asyncio.Task[None]]:
+    bus = StateBus(NodeState(1, NodeInventory(DriverInfo("570.1.2", "12.8"), (gpu(0), gpu(1)), ())))
+    reconciler = NodeReconciler(
+        node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned, TAINT.key
+    )
+    task = asyncio.create_task(reconciler.run())
+    await asyncio.wait_for(reconciler.converged.wait(), 5)
+    return reconciler, bus, task
+
+
+@contextlib.asynccontextmanager
+async def reconciling(node: InMemoryNode) -> AsyncIterator[tuple[NodeReconciler, StateBus]]:
+    reconciler, bus, task = await start(node)
+    try:
+        yield reconciler, bus
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def settle(reconciler: NodeReconciler) -> None:
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(reconciler.converged.wait(), 5)
+
+
+async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
+    node = InMemoryNode("n1")
+    node.view = node.view.__class__(
+        name="n1", resource_version="1", labels={"team": "ml", "gpu-node-agent.io/stale": "x"},
+        taints=(FOREIGN_TAINT,),
+    )
+    async with reconciling(node) as (reconciler, bus):
+        await settle(reconciler)
+        labels = dict(node.view.labels)
+        assert labels["team"] == "ml"
+        assert "gpu-node-agent.io/stale" not in labels
+        assert labels["nvidia.com/gpu.count"] == "2"
+        assert node.view.taints == (FOREIGN_TAINT,)
+        healthy = Condition("GPUHealthy", "True", "GPUsHealthy", "all 2 GPUs healthy")
+        assert node.view.conditions["GPUHealthy"] == healthy
+        writes = node.writes
+        assert writes == 2  # one label patch, one condition
+
+        await bus.update(draining=frozenset())  # a new state version that changes nothing on the node
+        await settle(reconciler)
+        assert node.writes == writes
+
+        fault = DeviceHealth(False, "XID 79", node_fatal=True)
+        await bus.update(health={"GPU-1": fault}, incidents=(Incident(1, "GPU-1", "fault", "XID 79"),))
+        await settle(reconciler)
+        assert node.view.taints == (FOREIGN_TAINT, {"key": TAINT.key, "value": "true", "effect": "NoSchedule"})
+        assert node.view.conditions["GPUHealthy"] == Condition("GPUHealthy", "False", "NodeGPUFault", "XID 79")
+        assert node.events == [("Warning", "GPUFault", "GPU GPU-1: XID 79")]
+
+        await bus.update(
+            health={},
+            incidents=(*bus.current.incidents, Incident(2, "GPU-1", "recovered", "recovered from XID 79")),
+        )
+        await settle(reconciler)
+        assert node.view.taints == (FOREIGN_TAINT,)
+        assert node.view.conditions["GPUHealthy"].status == "True"
+        assert node.events[-1] == ("Normal", "GPURecovered", "GPU GPU-1: recovered from XID 79")
+        assert len(node.events) == 2
+
+
+async def test_someone_removing_an_owned_label_gets_it_back() -> None:
+    node = InMemoryNode("n1")
+    async with reconciling(node) as (reconciler, _):
+        await settle(reconciler)
+        await node.patch_metadata({"nvidia.com/gpu.count": None, "other": "kept"}, {})
+        await settle(reconciler)
+        assert node.view.labels["nvidia.com/gpu.count"] == "2"
+        assert node.view.labels["other"] == "kept"
+
+
+def test_taints_with_keeps_foreign_taints_in_order() -> None:
+    current = (
+        FOREIGN_TAINT,
+        {"key": TAINT.key, "value": "true", "effect": "NoExecute"},
+        {"key": "b", "effect": "NoSchedule"},
+    )
+    mine = {"key": TAINT.key, "value": "true", "effect": "NoSchedule"}
+    assert taints_with(current, TAINT.key, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
+    assert taints_with(current, TAINT.key, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]
