@@ -1,0 +1,267 @@
+"""The agent against a real kube-apiserver, with the DaemonSet's own RBAC and admission policy applied:
+labels, taints, the GPUHealthy condition and Events on its Node; nothing foreign touched; no steady-state writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from apiserver import NODE, OTHER_NODE, REPO, ApiServer
+from kubernetes import client as k8s
+from kubernetes import utils
+
+from agent.config import AgentConfig, parse_config
+from agent.daemon import Agent, AgentOptions
+from agent.kube.node import NodeApi
+from agent.labels import node_labels
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.simulate import StandInKubelet
+from tests.plugin_harness import short_dir
+
+NAMESPACE = "gpu-node-agent"
+ACCOUNT = "gpu-node-agent"
+TAINT_KEY = "gpu-node-agent.io/gpu-fault"
+FOREIGN_TAINTS = [
+    {"key": "dedicated", "value": "ml", "effect": "NoSchedule"},
+    {"key": "example.com/maintenance", "effect": "NoExecute", "timeAdded": "2026-01-02T03:04:05Z"},
+]
+FAST_HEALTH = parse_config("version: v1\nhealth:\n  sampleIntervalSeconds: 0.1\n  recoveryChecks: 2\n")
+
+
+def apply_rbac_and_policy(admin: k8s.ApiClient) -> None:
+    """Create the kustomize base's API objects (all but the DaemonSet, which needs no running pods here)."""
+    kustomization = yaml.safe_load((REPO / "daemonset/kustomization.yaml").read_text())
+    for name in kustomization["resources"]:
+        for doc in yaml.safe_load_all((REPO / "daemonset" / name).read_text()):
+            if doc and doc["kind"] != "DaemonSet":
+                with contextlib.suppress(utils.FailToCreateError):
+                    utils.create_from_dict(admin, doc)
+
+
+def bound_token(admin: k8s.ApiClient, node: str) -> str:
+    """A token of the agent's ServiceAccount bound to a pod on `node`, as the kubelet would mount it."""
+    core = k8s.CoreV1Api(admin)
+    pod_name = f"gpu-node-agent-{node}"
+    with contextlib.suppress(k8s.ApiException):
+        core.create_namespaced_pod(NAMESPACE, k8s.V1Pod(
+            metadata=k8s.V1ObjectMeta(name=pod_name),
+            spec=k8s.V1PodSpec(node_name=node, service_account_name=ACCOUNT,
+                               containers=[k8s.V1Container(name="agent", image="gpu-node-agent:test")]),
+        ))
+    pod = core.read_namespaced_pod(pod_name, NAMESPACE)
+    request = k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(
+        audiences=["https://kubernetes.default.svc.cluster.local"], expiration_seconds=3600,
+        bound_object_ref=k8s.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod_name, uid=pod.metadata.uid),
+    ))
+    return str(core.create_namespaced_service_account_token(ACCOUNT, NAMESPACE, request).status.token)
+
+
+def kubeconfig(apiserver: ApiServer, token: str, path: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "rig",
+        "clusters": [{"name": "rig", "cluster": {"server": apiserver.url,
+                                                 "certificate-authority": str(apiserver.ca_path)}}],
+        "users": [{"name": "agent", "user": {"token": token}}],
+        "contexts": [{"name": "rig", "context": {"cluster": "rig", "user": "agent"}}],
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def agent_kubeconfig(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    admin = apiserver.admin_client()
+    apply_rbac_and_policy(admin)
+    token = bound_token(admin, NODE)
+    core = agent_core(apiserver, token)
+    # A new admission policy takes effect a moment after it is created: wait until it refuses.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            core.patch_node(NODE, {"metadata": {"labels": {"policy-probe": "1"}}})
+        except k8s.ApiException as err:
+            if err.status == 403:
+                break
+            raise
+        k8s.CoreV1Api(admin).patch_node(NODE, {"metadata": {"labels": {"policy-probe": None}}})
+        assert time.monotonic() < deadline, "the admission policy never took effect"
+        time.sleep(0.2)
+    return kubeconfig(apiserver, token, tmp_path_factory.mktemp("agent") / "kubeconfig")
+
+
+@pytest.fixture
+def admin_core(apiserver: ApiServer) -> Iterator[k8s.CoreV1Api]:
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    core.patch_node(NODE, {"metadata": {"labels": {"team": "ml"}}, "spec": {"taints": FOREIGN_TAINTS}})
+    yield core
+    # Leave the node as the next test expects to find it: no agent labels, taint or condition.
+    node = core.read_node(NODE)
+    stale = {k: None for k in (node.metadata.labels or {}) if k.startswith(("nvidia.com/", "gpu-node-agent.io/"))}
+    core.patch_node(NODE, {"metadata": {"labels": stale}, "spec": {"taints": FOREIGN_TAINTS}})
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = await asyncio.to_thread(check)
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def agent_on_node(
+    kubeconfig_path: Path, config: AgentConfig = FAST_HEALTH
+) -> AsyncIterator[tuple[Agent, FakeNvml]]:
+    directory = short_dir()
+    fake = FakeNvml(load_node("dgx-h100"))
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    api = await NodeApi.connect(kubeconfig_path, NODE)
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
+                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=api))
+    try:
+        await agent.start()
+        assert agent.reconciler is not None
+        await asyncio.wait_for(agent.reconciler.converged.wait(), 20)
+        yield agent, fake
+    finally:
+        await agent.stop()
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def agent_taints(node: Any) -> list[dict[str, Any]]:
+    return [{"key": t.key, "value": t.value, "effect": t.effect} for t in node.spec.taints or []
+            if t.key == TAINT_KEY]
+
+
+def foreign_taints(node: Any) -> list[dict[str, Any]]:
+    out = []
+    for t in node.spec.taints or []:
+        if t.key == TAINT_KEY:
+            continue
+        taint = {"key": t.key, "effect": t.effect}
+        if t.value is not None:
+            taint["value"] = t.value
+        if t.time_added is not None:
+            taint["timeAdded"] = t.time_added.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        out.append(taint)
+    return out
+
+
+def condition(node: Any) -> tuple[str, str, str] | None:
+    for c in node.status.conditions or []:
+        if c.type == "GPUHealthy":
+            return c.status, c.reason, c.message
+    return None
+
+
+async def test_labels_reach_the_node_and_foreign_ones_survive(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    async with agent_on_node(agent_kubeconfig) as (agent, _):
+        assert agent.bus is not None
+        expected = node_labels(agent.bus.current, FAST_HEALTH)
+        node = admin_core.read_node(NODE)
+        labels = node.metadata.labels
+        assert {k: labels.get(k) for k in expected} == expected
+        assert labels["team"] == "ml"
+        assert labels["kubernetes.io/hostname"] == NODE
+        assert foreign_taints(node) == FOREIGN_TAINTS
+        assert agent_taints(node) == []
+        assert condition(node) == ("True", "GPUsHealthy", "all 8 GPUs healthy")
+
+
+async def test_steady_state_makes_no_writes(agent_kubeconfig: Path, admin_core: k8s.CoreV1Api) -> None:
+    async with agent_on_node(agent_kubeconfig) as (agent, _):
+        api = agent.options.kube
+        assert isinstance(api, NodeApi)
+        writes = api.writes
+        version = admin_core.read_node(NODE).metadata.resource_version
+        await asyncio.sleep(3)  # several health samples and state versions pass
+        assert api.writes == writes
+        assert admin_core.read_node(NODE).metadata.resource_version == version
+
+
+async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    async with agent_on_node(agent_kubeconfig) as (agent, fake):
+        fake.set_gpu_lost(3)
+        node = await eventually(lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and n, what="taint")
+        assert agent_taints(node) == [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
+        assert foreign_taints(node) == FOREIGN_TAINTS
+        assert condition(node) == ("False", "NodeGPUFault", "GPU is lost (fallen off the bus)")
+        uuid = agent.bus.current.inventory.gpus[3].uuid  # type: ignore[union-attr]
+
+        def event_messages() -> list[str]:
+            events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
+            return [f"{e.type} {e.reason} {e.message}" for e in events.items]
+
+        assert f"Warning GPUFault GPU {uuid}: GPU is lost (fallen off the bus)" in await eventually(
+            event_messages, what="fault event")
+
+        fake.set_gpu_lost(3, False)
+        node = await eventually(lambda: (n := admin_core.read_node(NODE)) and not agent_taints(n) and n,
+                                what="taint removed")
+        assert foreign_taints(node) == FOREIGN_TAINTS
+        assert condition(node) == ("True", "GPUsHealthy", "all 8 GPUs healthy")
+        assert f"Normal GPURecovered GPU {uuid}: recovered from GPU is lost (fallen off the bus)" in (
+            await eventually(lambda: [m for m in event_messages() if "GPURecovered" in m], what="recovery event")
+        )
+
+
+async def test_watch_survives_an_api_server_restart(
+    apiserver: ApiServer, agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    async with agent_on_node(agent_kubeconfig) as (_, _fake):
+        await asyncio.to_thread(apiserver.restart)
+        core = k8s.CoreV1Api(apiserver.admin_client())
+        core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/gpu.count": None}}})
+        await eventually(lambda: core.read_node(NODE).metadata.labels.get("nvidia.com/gpu.count") == "8",
+                         timeout=60, what="the agent restoring its label after the restart")
+
+
+def agent_core(apiserver: ApiServer, token: str) -> k8s.CoreV1Api:
+    return k8s.CoreV1Api(apiserver._client(api_key={"BearerToken": token}, api_key_prefix={"BearerToken": "Bearer"}))
+
+
+def test_agent_identity_is_refused_what_it_must_not_do(
+    apiserver: ApiServer, agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    token = yaml.safe_load(agent_kubeconfig.read_text())["users"][0]["user"]["token"]
+    core = agent_core(apiserver, token)
+    refused = {
+        "patch another node": lambda: core.patch_node(
+            OTHER_NODE, {"metadata": {"labels": {"gpu-node-agent.io/x": "1"}}}
+        ),
+        "set a foreign label": lambda: core.patch_node(NODE, {"metadata": {"labels": {"team": "evil"}}}),
+        "drop a foreign taint": lambda: core.patch_node(NODE, {"spec": {"taints": []}}),
+        "cordon the node": lambda: core.patch_node(NODE, {"spec": {"unschedulable": True}}),
+        "read secrets": lambda: core.list_namespaced_secret("kube-system"),
+        "delete the node": lambda: core.delete_node(NODE),
+    }
+    codes = {}
+    for what, call in refused.items():
+        with pytest.raises(k8s.ApiException) as caught:
+            call()
+        codes[what] = caught.value.status
+    assert codes == {
+        "patch another node": 403, "set a foreign label": 403, "drop a foreign taint": 403,
+        "cordon the node": 403, "read secrets": 403, "delete the node": 403,
+    }
+    patched = core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/probe": "1"}}})
+    assert patched.metadata.labels["gpu-node-agent.io/probe"] == "1"
+    core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/probe": None}}})
