@@ -127,7 +127,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
         options = AgentOptions(
-            config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port, kube=kube
+            config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port, kube=kube,
+            config_path=args.config,
         )
         return await run_until_signal(Agent(backend, options))
 

@@ -47,9 +47,61 @@ class PluginFlags(_Strict):
 
 
 class Flags(_Strict):
-    mig_strategy: Literal["none"] = Field(default="none", alias="migStrategy")
-    """MIG strategy; this version advertises whole GPUs only ("none")."""
+    mig_strategy: Literal["none", "single", "mixed"] = Field(default="none", alias="migStrategy")
+    """none: whole GPUs; single: MIG devices as nvidia.com/gpu; mixed: nvidia.com/mig-<profile> per profile."""
     plugin: PluginFlags = PluginFlags()
+
+
+GpuSelector = int | str
+"""A GPU by index, by UUID ("GPU-..."), or by model (the NVML name or its label form, e.g. NVIDIA-H100-80GB-HBM3)."""
+
+RESOURCE_NAME = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+
+
+class ReplicatedResource(_Strict):
+    name: str
+    """The resource whose devices are shared, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb."""
+    replicas: int = Field(ge=2, le=1024)
+    rename: str | None = None
+    """Advertise the replicas under this resource name instead."""
+    devices: Literal["all"] | list[GpuSelector] = "all"
+    """Which GPUs this entry shares: all, or a list of indices, UUIDs and models."""
+
+    @field_validator("name", "rename")
+    @classmethod
+    def _resource_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(RESOURCE_NAME, value):
+            raise ValueError(f"{value!r} is not an extended resource name (vendor-domain/name)")
+        if value is not None and value.split("/", 1)[0].endswith("kubernetes.io"):
+            raise ValueError(f"{value!r} is in the reserved kubernetes.io domain")
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _selectors(cls, value: object) -> object:
+        if value == "all":
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be 'all' or a non-empty list of GPU indices, UUIDs or models")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int | str) or item in ("", None):
+                raise ValueError(f"{item!r} is not a GPU index, UUID or model")
+            if isinstance(item, int) and item < 0:
+                raise ValueError(f"GPU index {item} is negative")
+        return value
+
+
+class TimeSlicing(_Strict):
+    rename_by_default: bool = Field(default=False, alias="renameByDefault")
+    """Advertise replicas as <name>.shared unless an entry gives `rename`."""
+    fail_requests_greater_than_one: bool = Field(default=False, alias="failRequestsGreaterThanOne")
+    resources: list[ReplicatedResource] = Field(default_factory=list)
+
+
+class Sharing(_Strict):
+    time_slicing: TimeSlicing = Field(default_factory=TimeSlicing, alias="timeSlicing")
+    allocation_policy: Literal["distributed", "packed"] = Field(default="distributed", alias="allocationPolicy")
+    """Which replicas GetPreferredAllocation prefers: spread over GPUs, or packed onto the fewest."""
 
 
 Action = Literal["ignore", "warn", "unhealthy", "node-fatal"]
@@ -110,6 +162,7 @@ class HealthSettings(_Strict):
 class AgentConfig(_Strict):
     version: Literal["v1"]
     flags: Flags = Flags()
+    sharing: Sharing = Sharing()
     health: HealthSettings = HealthSettings()
 
 
@@ -119,12 +172,18 @@ DEFAULT_CONFIG = AgentConfig(version="v1")
 def _format(err: ValidationError, origin: str) -> str:
     lines = []
     for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
         reason = e["msg"]
-        if loc and loc[-1] == "[key]":
-            loc.pop()
-            reason = f"bad key: {reason}"
-        path = ".".join(loc) or "(top level)"
+        path = ""
+        for part in e["loc"]:
+            if part == "[key]":
+                reason = f"bad key: {reason}"
+            elif isinstance(part, int):
+                path += f"[{part}]"
+            elif "[" in str(part) or str(part).startswith("function-"):
+                continue  # a union or validator branch pydantic names in the location: not a key
+            else:
+                path += ("." if path else "") + str(part)
+        path = path or "(top level)"
         if e["type"] == "extra_forbidden":
             reason = "unknown key"
         elif e["type"] == "value_error":

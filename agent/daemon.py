@@ -12,22 +12,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.config import AgentConfig
+from agent.config import AgentConfig, ConfigError, load_config
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
-from agent.inventory import GPU_RESOURCE, Device, resources
-from agent.kube.reconciler import NodeClient, NodeReconciler, TaintPolicy, node_intent
+from agent.inventory import Device, PlanCache, sharing_conflicts
+from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
 from agent.labels import node_labels, owned
 from agent.metrics import HttpEndpoint, Metrics
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
-from agent.topology.prefer import gpu_preference
+from agent.topology.prefer import Preferences
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+CONFIG_POLL_S = 2.0
 NVML_INIT_ATTEMPTS = 5
 NVML_INIT_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -41,6 +42,8 @@ class AgentOptions:
     metrics_host: str = "0.0.0.0"
     kube: NodeClient | None = None
     """The agent's own Node in the API server; None runs without one (--no-kube)."""
+    config_path: Path | None = None
+    """Where `config` came from; the agent reloads it on SIGHUP or when the file changes."""
 
 
 class NvmlThread:
@@ -87,10 +90,13 @@ class Agent:
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
+        self.plans = PlanCache()
+        self.hangup = asyncio.Event()
+        """Set by SIGHUP: reload the config file."""
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
         assert self.bus is not None
-        return resources(self.bus.current, self.options.config)
+        return {name: r.devices for name, r in self.plans(self.bus.current).resources.items()}
 
     def ready(self) -> tuple[bool, str]:
         if self.bus is None:
@@ -110,7 +116,11 @@ class Agent:
                 log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
                 await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
         inventory = await self.nvml(self.backend.inventory)
-        return NodeState(version=1, inventory=inventory)
+        state = NodeState(version=1, inventory=inventory, config=self.options.config)
+        conflicts = sharing_conflicts(state, state.config)
+        if conflicts:
+            raise ConfigError("\n".join(conflicts))
+        return state
 
     async def start(self) -> None:
         opts = self.options
@@ -120,30 +130,70 @@ class Agent:
         state = await self._init_nvml()
         self.bus = bus = StateBus(state)
         self.metrics.watch_state(bus, self.devices)
-        config = opts.config
-        servicer = DevicePluginServicer(
-            GPU_RESOURCE,
-            bus,
-            lambda s: resources(s, config)[GPU_RESOURCE],
-            list_strategies=config.flags.plugin.device_list_strategy,
-            prefer=gpu_preference(lambda: bus.current),
+        for problem in self.plans(state).problems:
+            log.warning("%s", problem)
+        preferences = Preferences(lambda: bus.current)
+        self.plugins = PluginSet(
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences),
+            lambda: set(self.plans(bus.current).resources),
+            opts.kubelet_dir,
         )
-        self.plugins = PluginSet([servicer], opts.kubelet_dir)
-        self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml, config.health)
+        self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
+        if opts.config_path is not None:
+            self._spawn("config-reload", self._follow_config)
         if opts.kube is not None:
-            taint = TaintPolicy(
-                config.health.taint.key, config.health.taint.effect, config.health.node_fatal_unhealthy_gpus
-            )
-            self.reconciler = NodeReconciler(
-                opts.kube, bus, lambda s: node_intent(s, node_labels(s, config), taint), owned, taint.key
-            )
+            self.reconciler = NodeReconciler(opts.kube, bus, _intent, owned)
             self._spawn("node-reconciler", self.reconciler.run)
         log.info(
-            "agent started: %d GPU(s), driver %s, kubelet dir %s",
+            "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
             len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
+            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) or "none",
         )
+
+    async def reload_config(self) -> bool:
+        """Load the config file again; a bad one is rejected with its reasons and the last good one keeps serving."""
+        assert self.bus is not None and self.options.config_path is not None
+        path = self.options.config_path
+        try:
+            new = load_config(path)
+            conflicts = sharing_conflicts(self.bus.current, new)
+            if conflicts:
+                raise ConfigError("\n".join(f"{path}: {c}" for c in conflicts))
+        except ConfigError as err:
+            log.error("config reload rejected; keeping the last good config: %s", err)
+            await self.bus.record([("", "config-rejected", f"config reload rejected: {err}")])
+            return False
+        if new == self.bus.current.config:
+            return True
+        state = await self.bus.record([("", "config-applied", f"config reloaded from {path}")], config=new)
+        log.info("config reloaded from %s", path)
+        for problem in self.plans(state).problems:
+            log.warning("%s", problem)
+        return True
+
+    async def _follow_config(self) -> None:
+        """Reload on SIGHUP, and when the file changes (a ConfigMap update swaps the mounted file)."""
+        assert self.options.config_path is not None
+        path = self.options.config_path
+
+        def identity() -> tuple[int, int, int] | None:
+            try:
+                st = path.stat()
+            except OSError:
+                return None
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+        seen = identity()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hangup.wait(), CONFIG_POLL_S)
+            now = identity()
+            if self.hangup.is_set() or (now != seen and now is not None):
+                self.hangup.clear()
+                seen = now
+                await self.reload_config()
 
     def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
@@ -168,11 +218,18 @@ class Agent:
         self.stopped.set()
 
 
+def _intent(state: NodeState) -> NodeIntent:
+    health = state.config.health
+    taint = TaintPolicy(health.taint.key, health.taint.effect, health.node_fatal_unhealthy_gpus)
+    return node_intent(state, node_labels(state, state.config), taint)
+
+
 async def run_until_signal(agent: Agent) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, agent.hangup.set)
     try:
         await agent.start()
         await stop.wait()

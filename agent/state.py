@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.nvml.backend import NodeInventory
 
 
@@ -42,6 +43,8 @@ class NodeState:
 
     version: int
     inventory: NodeInventory
+    config: AgentConfig = DEFAULT_CONFIG
+    """The config in force; a reload publishes a new state with the new config."""
     health: Mapping[str, DeviceHealth] = field(default_factory=lambda: MappingProxyType({}))
     """Health by GPU UUID; a GPU missing here is healthy. MIG devices and replicas inherit their GPU's."""
     draining: frozenset[str] = frozenset()
@@ -93,9 +96,20 @@ class StateBus:
 
     async def update(self, **changes: object) -> NodeState:
         """Publish the current state with the given fields replaced; returns the new version."""
-        new = self._state.evolve(**changes)
-        await self.publish(new)
-        return new
+        async with self._changed:
+            self._state = self._state.evolve(**changes)
+            self._changed.notify_all()
+            return self._state
+
+    async def record(self, incidents: list[tuple[str, str, str]], **changes: object) -> NodeState:
+        """Publish `changes` together with new incidents, given as (gpu uuid, kind, message)."""
+        async with self._changed:
+            state = self._state
+            seq = state.incidents[-1].seq if state.incidents else 0
+            added = [Incident(seq + i, uuid, kind, message) for i, (uuid, kind, message) in enumerate(incidents, 1)]
+            self._state = state.evolve(incidents=(*state.incidents, *added)[-MAX_INCIDENTS:], **changes)
+            self._changed.notify_all()
+            return self._state
 
     async def wait_newer(self, version: int) -> NodeState:
         """Return the newest state once its version is above `version`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import pynvml
 
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.daemon import Agent, AgentOptions
@@ -62,22 +64,51 @@ class Rig:
 
 @asynccontextmanager
 async def running_agent(
-    node: str = "dgx-h100", config: AgentConfig = DEFAULT_CONFIG, *, kubelet_first: bool = True
+    node: str = "dgx-h100",
+    config: AgentConfig = DEFAULT_CONFIG,
+    *,
+    kubelet_first: bool = True,
+    config_path: Path | None = None,
+    fake: FakeNvml | None = None,
 ) -> AsyncIterator[Rig]:
     directory = short_dir()
-    fake = FakeNvml(load_node(node))
+    fake = fake or FakeNvml(load_node(node))
     backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
     kubelet = StandInKubelet(directory)
     if kubelet_first:
         await kubelet.start()
-    agent = Agent(backend, AgentOptions(config=config, kubelet_dir=directory, metrics_port=None))
+    options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, config_path=config_path)
+    agent = Agent(backend, options)
     rig = Rig(directory, fake, agent, kubelet)
     try:
         await agent.start()
         if kubelet_first:
-            await kubelet.wait_for({"nvidia.com/gpu"}, 10)
+            await kubelet.wait_for(set(agent.devices()), 10)
         yield rig
     finally:
         await agent.stop()
         await rig.kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def carve_mig(fake: FakeNvml, gpu: int, instances: list[tuple[str, int]]) -> None:
+    """Enable MIG on a GPU of the fake and create (profile, start) instances, each with one full compute
+    instance, through the same pynvml calls an operator's tool makes."""
+    fake.nvmlInit()
+    try:
+        handle = fake.nvmlDeviceGetHandleByIndex(gpu)
+        fake.nvmlDeviceSetMigMode(handle, pynvml.NVML_DEVICE_MIG_ENABLE)
+        if fake.nvmlDeviceGetMigMode(handle)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+            fake.reset_gpu(gpu)  # Ampere applies a MIG mode change only at a GPU reset
+            handle = fake.nvmlDeviceGetHandleByIndex(gpu)
+        model = fake.spec.gpus[gpu].model
+        for name, start in instances:
+            profile = model.profile_by_name(name)
+            assert profile is not None, name
+            info = fake.nvmlDeviceGetGpuInstanceProfileInfo(handle, profile.index)
+            placement = pynvml.c_nvmlGpuInstancePlacement_t(start, profile.memory_slices)
+            gi = fake.nvmlDeviceCreateGpuInstanceWithPlacement(handle, info.id, ctypes.byref(placement))
+            ci = fake.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, profile.ci_profile_index, 0)
+            fake.nvmlGpuInstanceCreateComputeInstance(gi, ci.id)
+    finally:
+        fake.nvmlShutdown()

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,24 +122,42 @@ class ResourcePlugin:
 
 
 class PluginSet:
-    """All resource plugins of the agent and the loop that keeps them registered with the kubelet."""
+    """One plugin per advertised resource, and the loop that keeps the set registered with the kubelet.
 
-    def __init__(self, servicers: list[DevicePluginServicer], kubelet_dir: Path) -> None:
-        instance = secrets.token_hex(4)
+    Resources that appear get a server and a registration; resources that vanish are stopped (their last
+    ListAndWatch message was already an empty list); unchanged ones keep their server and streams.
+    """
+
+    def __init__(
+        self, make_servicer: Callable[[str], DevicePluginServicer], wanted: Callable[[], set[str]], kubelet_dir: Path
+    ) -> None:
+        self._instance = secrets.token_hex(4)
+        self._make_servicer = make_servicer
+        self._wanted = wanted
         self.kubelet_dir = kubelet_dir
-        self.plugins = [ResourcePlugin(s, kubelet_dir, instance) for s in servicers]
+        self.plugins: dict[str, ResourcePlugin] = {}
         self.registered = asyncio.Event()
 
+    async def _sync_resources(self) -> None:
+        wanted = self._wanted()
+        for name in sorted(set(self.plugins) - wanted):
+            log.info("resource %s is no longer advertised; stopping its server", name)
+            await self.plugins.pop(name).stop(grace=0.5)
+        for name in sorted(wanted - set(self.plugins)):
+            self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._instance)
+
     async def run(self) -> None:
-        """Serve and register every resource; re-serve and re-register after a kubelet restart. Never returns."""
+        """Serve and register every resource; follow resource changes and kubelet restarts. Never returns."""
         kubelet_sock = self.kubelet_dir / KUBELET_SOCKET
         backoff = 0.0
         retry_at = 0.0
         failed_on: tuple[int, int] | None = None
         loop = asyncio.get_running_loop()
         while True:
+            await self._sync_resources()
             kubelet = _inode(kubelet_sock)
-            pending = [p for p in self.plugins if not p.socket_intact() or p.registered_kubelet != kubelet]
+            plugins = list(self.plugins.values())
+            pending = [p for p in plugins if not p.socket_intact() or p.registered_kubelet != kubelet]
             # A new kubelet socket ends any backoff: the restarted kubelet is ready now.
             if kubelet is not None and pending and (loop.time() >= retry_at or kubelet != failed_on):
                 try:
@@ -153,11 +172,11 @@ class PluginSet:
                     retry_at = loop.time() + backoff
                     detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
                     log.warning("registration with the kubelet failed, retrying in %.1fs: %s", backoff, detail)
-            if all(p.registered_kubelet is not None and p.registered_kubelet == kubelet for p in self.plugins):
+            if kubelet is not None and all(p.registered_kubelet == kubelet and p.socket_intact() for p in plugins):
                 self.registered.set()
             else:
                 self.registered.clear()
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def stop(self, grace: float = 1.0) -> None:
-        await asyncio.gather(*(p.stop(grace) for p in self.plugins))
+        await asyncio.gather(*(p.stop(grace) for p in self.plugins.values()))

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.inventory import Device
+from agent.inventory import Device, Resource, ResourcePlan
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
@@ -17,11 +17,14 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_ID_LENGTH = 63
 
-DevicesOf = Callable[[NodeState], tuple[Device, ...]]
-"""The devices of this servicer's resource in a NodeState."""
+PlanOf = Callable[[NodeState], ResourcePlan]
+"""The resources of a NodeState (a cached inventory.plan)."""
 
 Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]
 """(devices of the resource, available ids, must-include ids, size) -> preferred ids."""
+
+PreferFor = Callable[[Resource], Prefer]
+"""The preference policy for a resource (whole GPUs, MIG devices, or replicas)."""
 
 
 class RequestError(ValueError):
@@ -74,24 +77,31 @@ def first_fit(
     return chosen + rest[: max(0, size - len(chosen))]
 
 
+def container_response(chosen: list[Device], strategies: tuple[str, ...]) -> api_pb2.ContainerAllocateResponse:
+    """What the runtime needs for the chosen devices; replicas of one GPU collapse into that GPU."""
+    visible = list(dict.fromkeys(d.visible for d in chosen))
+    response = api_pb2.ContainerAllocateResponse()
+    if "envvar" in strategies:
+        response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(visible)
+    if "cdi" in strategies:
+        response.cdi_devices.extend(api_pb2.CDIDevice(name=f"nvidia.com/gpu={v}") for v in visible)
+    return response
+
+
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
-    def __init__(
-        self,
-        resource: str,
-        bus: StateBus,
-        devices_of: DevicesOf,
-        *,
-        list_strategies: tuple[str, ...] = ("envvar",),
-        prefer: Prefer = first_fit,
-    ) -> None:
+    """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
+
+    def __init__(self, resource: str, bus: StateBus, plan_of: PlanOf, prefer_for: PreferFor | None = None) -> None:
         self.resource = resource
         self._bus = bus
-        self._devices_of = devices_of
-        self._list_strategies = list_strategies
-        self._prefer = prefer
+        self._plan_of = plan_of
+        self._prefer_for = prefer_for or (lambda _: first_fit)
+
+    def _resource(self, state: NodeState) -> Resource:
+        return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
 
     def devices(self) -> tuple[Device, ...]:
-        return self._devices_of(self._bus.current)
+        return self._resource(self._bus.current).devices
 
     async def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
@@ -102,11 +112,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
         state = self._bus.current
-        sent = self._devices_of(state)
+        sent = self._resource(state).devices
         yield to_proto(sent)
         while True:
             state = await self._bus.wait_newer(state.version)
-            devices = self._devices_of(state)
+            devices = self._resource(state).devices
             if devices != sent:
                 sent = devices
                 log.info(
@@ -119,7 +129,9 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
-        devices = self.devices()
+        resource = self._resource(self._bus.current)
+        devices = resource.devices
+        prefer = self._prefer_for(resource)
         responses = []
         try:
             for creq in request.container_requests:
@@ -134,35 +146,32 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                         f"cannot choose {size} device(s) of {self.resource} from {len(pool)} available "
                         f"with {len(must)} required"
                     )
-                chosen = self._prefer(devices, available, must, size)
+                chosen = prefer(devices, available, must, size)
                 responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
-        except RequestError as err:
+        except ValueError as err:  # RequestError, or the allocator's AllocationError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
     async def Allocate(
         self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.AllocateResponse:
-        devices = self.devices()
+        state = self._bus.current
+        resource = self._resource(state)
         responses = []
         try:
             for creq in request.container_requests:
                 if not creq.devices_ids:
                     raise RequestError(f"allocate request for {self.resource} names no devices")
-                chosen = lookup(self.resource, devices, creq.devices_ids, need_healthy=True)
-                responses.append(self._container_response(chosen))
+                if resource.fail_requests_greater_than_one and len(creq.devices_ids) > 1:
+                    raise RequestError(
+                        f"invalid request: maximum request size for shared resource {self.resource} is 1; "
+                        f"found {len(creq.devices_ids)}"
+                    )
+                chosen = lookup(self.resource, resource.devices, creq.devices_ids, need_healthy=True)
+                responses.append(container_response(chosen, state.config.flags.plugin.device_list_strategy))
         except RequestError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.AllocateResponse(container_responses=responses)
-
-    def _container_response(self, chosen: list[Device]) -> api_pb2.ContainerAllocateResponse:
-        visible = list(dict.fromkeys(d.visible for d in chosen))
-        response = api_pb2.ContainerAllocateResponse()
-        if "envvar" in self._list_strategies:
-            response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(visible)
-        if "cdi" in self._list_strategies:
-            response.cdi_devices.extend(api_pb2.CDIDevice(name=f"nvidia.com/gpu={v}") for v in visible)
-        return response
 
     async def PreStartContainer(
         self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
 from agent.nvml.backend import NvmlBackend
-from agent.state import MAX_INCIDENTS, DeviceHealth, Incident, StateBus
+from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +29,14 @@ class HealthMonitor:
     answers, one with uncorrected ECC errors until it is reset.
     """
 
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], policy: HealthSettings) -> None:
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any]) -> None:
         self._backend = backend
         self._bus = bus
         self._nvml = nvml
-        self._policy = policy
         self._faults: dict[str, Verdict] = {}
         self._clean: dict[str, int] = {}
         self._warned: dict[str, str] = {}
         self._pending: list[tuple[str, str, str]] = []
-        self._seq = 0
         self.events_seen = 0
         """XID events taken from NVML so far (simulate waits on this)."""
 
@@ -61,22 +59,22 @@ class HealthMonitor:
             del self._faults[uuid]
             self._pending.append((uuid, "recovered", f"recovered from {fault.reason}"))
 
+    @property
+    def _policy(self) -> HealthSettings:
+        return self._bus.current.config.health
+
     async def _publish(self) -> None:
         health = {
             uuid: DeviceHealth(healthy=False, reason=v.reason, node_fatal=v.action == "node-fatal")
             for uuid, v in self._faults.items()
         }
-        state = self._bus.current
-        if health == dict(state.health) and not self._pending:
+        if health == dict(self._bus.current.health) and not self._pending:
             return
-        incidents = list(state.incidents)
         for uuid, kind, message in self._pending:
-            self._seq += 1
-            incidents.append(Incident(self._seq, uuid, kind, message))
             level = logging.INFO if kind == "recovered" else logging.WARNING
             log.log(level, "GPU %s: %s: %s", uuid, kind, message)
-        self._pending.clear()
-        await self._bus.update(health=health, incidents=tuple(incidents[-MAX_INCIDENTS:]))
+        pending, self._pending = self._pending, []
+        await self._bus.record(pending, health=health)
 
     async def sample(self) -> None:
         for gpu in self._bus.current.inventory.gpus:

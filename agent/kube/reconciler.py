@@ -18,6 +18,15 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 CONDITION_TYPE = "GPUHealthy"
+EVENT_REASONS = {
+    "fault": "GPUFault",
+    "warning": "GPUWarning",
+    "recovered": "GPURecovered",
+    "config-rejected": "ConfigRejected",
+    "config-applied": "ConfigApplied",
+    "resources-withheld": "ResourcesWithheld",
+}
+NORMAL_INCIDENTS = frozenset({"recovered", "config-applied"})
 
 
 class NodeClient(Protocol):
@@ -74,9 +83,11 @@ def label_diff(
     return patch
 
 
-def taints_with(current: tuple[Mapping[str, str], ...], key: str, own: dict[str, str] | None) -> list[dict[str, str]]:
+def taints_with(
+    current: tuple[Mapping[str, str], ...], owned: Callable[[str], bool], own: dict[str, str] | None
+) -> list[dict[str, str]]:
     """The node's taint list with the agent's own taint set or removed; every other taint kept as it is."""
-    kept = [dict(t) for t in current if t.get("key") != key]
+    kept = [dict(t) for t in current if not owned(t.get("key", ""))]
     return kept + ([own] if own is not None else [])
 
 
@@ -92,13 +103,11 @@ class NodeReconciler:
         bus: StateBus,
         intent: Callable[[NodeState], NodeIntent],
         owned: Callable[[str], bool],
-        taint_key: str,
     ) -> None:
         self._api = api
         self._bus = bus
         self._intent = intent
         self._owned = owned
-        self._taint_key = taint_key
         self._node: NodeView | None = None
         self._lock = asyncio.Lock()
         self._emitted = 0
@@ -126,10 +135,10 @@ class NodeReconciler:
     async def _converge_taint(self, want: NodeIntent) -> None:
         assert self._node is not None
         while True:
-            mine = [dict(t) for t in self._node.taints if t.get("key") == self._taint_key]
+            mine = [dict(t) for t in self._node.taints if self._owned(t.get("key", ""))]
             if mine == ([want.taint] if want.taint else []):
                 return
-            taints = taints_with(self._node.taints, self._taint_key, want.taint)
+            taints = taints_with(self._node.taints, self._owned, want.taint)
             try:
                 log.info("setting node taints: %s", taints)
                 self._node = await self._api.set_taints(taints, self._node.resource_version)
@@ -145,9 +154,10 @@ class NodeReconciler:
         for incident in state.incidents:
             if incident.seq <= self._emitted:
                 continue
-            kind = "Normal" if incident.kind == "recovered" else "Warning"
-            reason = {"fault": "GPUFault", "warning": "GPUWarning", "recovered": "GPURecovered"}[incident.kind]
-            await self._api.event(reason, f"GPU {incident.gpu_uuid}: {incident.message}", kind, self._node.uid)
+            kind = "Normal" if incident.kind in NORMAL_INCIDENTS else "Warning"
+            reason = EVENT_REASONS.get(incident.kind, "GPUAgent")
+            message = f"GPU {incident.gpu_uuid}: {incident.message}" if incident.gpu_uuid else incident.message
+            await self._api.event(reason, message, kind, self._node.uid)
             self._emitted = incident.seq
 
     async def _follow_state(self) -> None:

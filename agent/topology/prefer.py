@@ -1,14 +1,16 @@
-"""Glue between the device plugin and the allocator: device IDs in, the topology-optimal device IDs out."""
+"""Glue between the device plugin and the allocator: device IDs in, the preferred device IDs out."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from agent.inventory import Device
+from agent.inventory import Device, Resource
 from agent.nvml.backend import NodeInventory
 from agent.state import NodeState
-from agent.topology.allocator import preferred_gpus
+from agent.topology.allocator import preferred_gpus, preferred_mig, preferred_shared
 from agent.topology.model import Topology
+
+Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]
 
 
 def topology_of(inventory: NodeInventory) -> Topology:
@@ -19,21 +21,41 @@ def topology_of(inventory: NodeInventory) -> Topology:
     )
 
 
-def gpu_preference(
-    current: Callable[[], NodeState],
-) -> Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]:
-    """A Prefer function for whole-GPU resources; the topology is rebuilt only when the inventory changes."""
-    cache: dict[int, tuple[NodeInventory, Topology]] = {}
+class Preferences:
+    """Chooses the allocation policy per resource: the optimal GPU set for whole GPUs, the sharing policy
+    for replicas, NUMA-compact instances for MIG devices. The topology is rebuilt only when devices change."""
 
-    def prefer(devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
-        inventory = current().inventory
-        cached = cache.get(id(inventory))
-        if cached is None or cached[0] is not inventory:
-            cache.clear()
-            cached = cache[id(inventory)] = (inventory, topology_of(inventory))
+    def __init__(self, current: Callable[[], NodeState]) -> None:
+        self._current = current
+        self._inventory: NodeInventory | None = None
+        self._topology: Topology | None = None
+
+    def topology(self) -> Topology:
+        inventory = self._current().inventory
+        if inventory is not self._inventory or self._topology is None:
+            self._inventory, self._topology = inventory, topology_of(inventory)
+        return self._topology
+
+    def __call__(self, resource: Resource) -> Prefer:
+        if any(d.shared for d in resource.devices):
+            return self._shared
+        if any(d.kind == "mig" for d in resource.devices):
+            return self._mig
+        return self._gpus
+
+    def _gpus(self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
         index = {d.id: d.gpu_index for d in devices}
         by_index = {d.gpu_index: d.id for d in devices}
-        chosen = preferred_gpus(cached[1], [index[i] for i in available], [index[i] for i in must], size)
+        chosen = preferred_gpus(self.topology(), [index[i] for i in available], [index[i] for i in must], size)
         return [by_index[i] for i in chosen]
 
-    return prefer
+    def _shared(
+        self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int
+    ) -> list[str]:
+        policy = self._current().config.sharing.allocation_policy
+        replicas = {d.id: d.gpu_index for d in devices}
+        return preferred_shared(self.topology(), replicas, available, must, size, policy)
+
+    @staticmethod
+    def _mig(devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
+        return preferred_mig({d.id: (d.gpu_index, d.numa) for d in devices}, available, must, size)

@@ -21,8 +21,9 @@ async def monitor_for(policy: HealthSettings = DEFAULT_CONFIG.health) -> tuple[H
     fake = FakeNvml(load_node("pcie-l40s-4"))
     backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
     backend.init()
-    bus = StateBus(NodeState(version=1, inventory=backend.inventory()))
-    return HealthMonitor(backend, bus, inline, policy), bus, fake
+    config = DEFAULT_CONFIG.model_copy(update={"health": policy})
+    bus = StateBus(NodeState(version=1, inventory=backend.inventory(), config=config))
+    return HealthMonitor(backend, bus, inline), bus, fake
 
 
 def unhealthy(bus: StateBus) -> dict[int, str]:

@@ -26,7 +26,7 @@ def gpu(index: int) -> GpuInfo:
 async def start(node: InMemoryNode) -> tuple[NodeReconciler, StateBus, asyncio.Task[None]]:
     bus = StateBus(NodeState(1, NodeInventory(DriverInfo("570.1.2", "12.8"), (gpu(0), gpu(1)), ())))
     reconciler = NodeReconciler(
-        node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned, TAINT.key
+        node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned
     )
     task = asyncio.create_task(reconciler.run())
     await asyncio.wait_for(reconciler.converged.wait(), 5)
@@ -107,5 +107,5 @@ def test_taints_with_keeps_foreign_taints_in_order() -> None:
         {"key": "b", "effect": "NoSchedule"},
     )
     mine = {"key": TAINT.key, "value": "true", "effect": "NoSchedule"}
-    assert taints_with(current, TAINT.key, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
-    assert taints_with(current, TAINT.key, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]
+    assert taints_with(current, owned, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
+    assert taints_with(current, owned, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]

@@ -1,0 +1,161 @@
+"""What each resource advertises under every MIG strategy and time-slicing config, on the fake NVML."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.config import parse_config
+from agent.inventory import plan, sharing_conflicts
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.state import DeviceHealth, NodeState
+from tests.plugin_harness import carve_mig
+
+MIXED_GPU0 = [("3g.40gb", 0), ("2g.20gb", 4), ("1g.10gb", 6)]
+ALL_1G = [("1g.10gb", i) for i in range(7)]
+
+
+def node(preset: str = "dgx-h100", config: str = "version: v1\n", mig: dict[int, list[tuple[str, int]]] | None = None,
+         ) -> NodeState:
+    fake = FakeNvml(load_node(preset))
+    for gpu, instances in (mig or {}).items():
+        carve_mig(fake, gpu, instances)
+    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend.init()
+    return NodeState(version=1, inventory=backend.inventory(), config=parse_config(config))
+
+
+def counts(state: NodeState) -> dict[str, int]:
+    return {name: len(r.devices) for name, r in plan(state).resources.items()}
+
+
+def test_whole_gpus_by_default() -> None:
+    state = node()
+    (gpu,) = plan(state).resources.values()
+    assert [d.id for d in gpu.devices] == [g.uuid for g in state.inventory.gpus]
+    assert [d.numa for d in gpu.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_four_replicas_per_gpu() -> None:
+    state = node(config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: nvidia.com/gpu, replicas: 4}\n")
+    resource = plan(state).resources["nvidia.com/gpu"]
+    first = state.inventory.gpus[0].uuid
+    assert len(resource.devices) == 32
+    assert [d.id for d in resource.devices[:4]] == [f"{first}::{n}" for n in range(4)]
+    assert {d.visible for d in resource.devices[:4]} == {first}
+    assert all(d.shared for d in resource.devices)
+    assert resource.fail_requests_greater_than_one is False
+
+
+def test_rename_by_default_advertises_gpu_shared() -> None:
+    state = node(config="version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n"
+                        "    failRequestsGreaterThanOne: true\n    resources:\n"
+                        "    - {name: nvidia.com/gpu, replicas: 4}\n")
+    assert counts(state) == {"nvidia.com/gpu.shared": 32}
+    assert plan(state).resources["nvidia.com/gpu.shared"].fail_requests_greater_than_one is True
+
+
+def test_per_gpu_selectors_give_two_replica_counts_on_one_node() -> None:
+    state = node(config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: nvidia.com/gpu, replicas: 2, devices: [0, 1, 2, 3]}\n"
+                        "    - {name: nvidia.com/gpu, replicas: 4, devices: [4, 5, 6, 7]}\n")
+    devices = plan(state).resources["nvidia.com/gpu"].devices
+    per_gpu = [sum(d.gpu_index == i for d in devices) for i in range(8)]
+    assert per_gpu == [2, 2, 2, 2, 4, 4, 4, 4]
+
+
+def test_selectors_by_uuid_and_model_and_rename() -> None:
+    probe = node("pcie-l40s-4")
+    uuid = probe.inventory.gpus[2].uuid
+    state = node("pcie-l40s-4", config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                 f"    - {{name: nvidia.com/gpu, replicas: 3, rename: example.com/l40s-slice, devices: [{uuid}]}}\n")
+    assert counts(state) == {"example.com/l40s-slice": 3, "nvidia.com/gpu": 3}
+    by_model = node("pcie-l40s-4", config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                    "    - {name: nvidia.com/gpu, replicas: 2, devices: [NVIDIA-L40S]}\n")
+    assert counts(by_model) == {"nvidia.com/gpu": 8}
+
+
+def test_a_gpu_selected_twice_is_a_conflict() -> None:
+    state = node("pcie-l40s-4")
+    config = parse_config("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                          "    - {name: nvidia.com/gpu, replicas: 2, devices: [0, 1]}\n"
+                          "    - {name: nvidia.com/gpu, replicas: 4, devices: [1]}\n")
+    uuid = state.inventory.gpus[1].uuid
+    assert sharing_conflicts(state, config) == [
+        f"GPU 1 ({uuid}) is selected for nvidia.com/gpu by sharing.timeSlicing.resources[0], "
+        "sharing.timeSlicing.resources[1]"
+    ]
+
+
+def test_mixed_strategy_counts_per_profile() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\n", mig={0: MIXED_GPU0, 1: ALL_1G})
+    assert counts(state) == {
+        "nvidia.com/gpu": 6,
+        "nvidia.com/mig-1g.10gb": 8,
+        "nvidia.com/mig-2g.20gb": 1,
+        "nvidia.com/mig-3g.40gb": 1,
+    }
+    mig = {m.profile: m for m in state.inventory.mig_devices if m.parent_index == 0}
+    (device,) = plan(state).resources["nvidia.com/mig-3g.40gb"].devices
+    assert (device.id, device.visible, device.kind, device.gpu_index, device.numa) == (
+        mig["3g.40gb"].uuid, mig["3g.40gb"].uuid, "mig", 0, 0
+    )
+
+
+def test_mixed_strategy_with_replicas_of_a_mig_profile() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: nvidia.com/mig-1g.10gb, replicas: 2}\n", mig={1: ALL_1G})
+    assert counts(state) == {"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 14}
+
+
+def test_single_strategy_uniform_node() -> None:
+    state = node("pcie-l40s-4", config="version: v1\nflags:\n  migStrategy: single\n")
+    assert counts(state) == {"nvidia.com/gpu": 4}  # no MIG anywhere: whole GPUs
+    uniform = node("a100-pcie-nvlink-pairs", config="version: v1\nflags:\n  migStrategy: single\n",
+                   mig={i: [("1g.10gb", s) for s in range(7)] for i in range(4)})
+    assert counts(uniform) == {"nvidia.com/gpu": 28}
+    assert plan(uniform).problems == ()
+
+
+def test_single_strategy_refuses_a_non_uniform_node_naming_the_gpus() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: single\n", mig={0: MIXED_GPU0, 1: ALL_1G})
+    result = plan(state)
+    assert {n: len(r.devices) for n, r in result.resources.items()} == {"nvidia.com/gpu": 7}
+    assert {d.gpu_index for d in result.resources["nvidia.com/gpu"].devices} == {1}
+    assert result.problems == (
+        "migStrategy single needs every GPU MIG-enabled with devices of one profile (1g.10gb); not advertised: "
+        "GPU 0 (1g.10gb, 2g.20gb, 3g.40gb); GPU 2 (MIG disabled); GPU 3 (MIG disabled); GPU 4 (MIG disabled); "
+        "GPU 5 (MIG disabled); GPU 6 (MIG disabled); GPU 7 (MIG disabled)",
+    )
+
+
+def test_replicas_and_mig_devices_inherit_their_gpus_health() -> None:
+    base = node(config="version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                       "    - {name: nvidia.com/gpu, replicas: 2}\n", mig={0: MIXED_GPU0})
+    sick = {base.inventory.gpus[0].uuid: DeviceHealth(False, "XID 48"),
+            base.inventory.gpus[3].uuid: DeviceHealth(False, "XID 62")}
+    state = base.evolve(health=sick)
+    result = plan(state).resources
+    assert [d.healthy for d in result["nvidia.com/mig-3g.40gb"].devices] == [False]
+    assert [d.gpu_index for d in result["nvidia.com/gpu"].devices if not d.healthy] == [3, 3]
+
+
+def test_draining_gpus_are_withdrawn() -> None:
+    base = node("pcie-l40s-4")
+    state = base.evolve(draining=frozenset({base.inventory.gpus[1].uuid}))
+    assert [d.gpu_index for d in plan(state).resources["nvidia.com/gpu"].devices] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
+def test_index_strategy_for_every_mig_strategy(strategy: str) -> None:
+    state = node(config=f"version: v1\nflags:\n  migStrategy: {strategy}\n  plugin:\n    deviceIDStrategy: index\n",
+                 mig={1: ALL_1G} if strategy != "none" else None)
+    visible = sorted({d.visible for r in plan(state).resources.values() for d in r.devices})
+    expected = {
+        "none": [str(i) for i in range(8)],
+        "single": [f"1:{s}" for s in range(7)],
+        "mixed": sorted([str(i) for i in range(8) if i != 1] + [f"1:{s}" for s in range(7)]),
+    }[strategy]
+    assert visible == expected
