@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.config import AgentConfig, ReplicatedResource
-from agent.labels import sanitise
 from agent.nvml.backend import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
@@ -45,6 +45,13 @@ class ResourcePlan:
     resources: dict[str, Resource] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     """Why some GPUs are not advertised (for example a non-uniform node under migStrategy single)."""
+
+
+def sanitise(value: str) -> str:
+    """A label value: runs of characters outside [A-Za-z0-9_.-] become '-', at most 63 characters
+    (how a product name appears in labels and in time-slicing model selectors)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value.strip()).strip("-_.")
+    return cleaned[:63].rstrip("-_.")
 
 
 def mig_resource(profile: str) -> str:
@@ -125,6 +132,12 @@ def sharing_conflicts(state: NodeState, config: AgentConfig) -> list[str]:
                 listed = ", ".join(f"sharing.timeSlicing.resources[{i}]" for i in hits)
                 problems.append(f"GPU {gpu.index} ({gpu.uuid}) is selected for {name} by {listed}")
     return problems
+
+
+def replicas_for(config: AgentConfig, name: str, gpu: GpuInfo) -> int:
+    """How many replicas of `gpu` the resource `name` is shared into (1 when it is not shared)."""
+    entry = _entry_for(config.sharing.time_slicing.resources, name, gpu)
+    return entry.replicas if entry else 1
 
 
 def _entry_for(entries: list[ReplicatedResource], name: str, gpu: GpuInfo) -> ReplicatedResource | None:

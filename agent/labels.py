@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 from agent.config import AgentConfig
+from agent.inventory import GPU_RESOURCE, Resource, mig_resource, plan, replicas_for, sanitise
 from agent.state import NodeState
 
 OWN_PREFIX = "gpu-node-agent.io/"
@@ -22,10 +21,31 @@ def family(major: int, minor: int) -> str:
     return _FAMILIES.get(major, "undefined")
 
 
-def sanitise(value: str) -> str:
-    """A label value: runs of characters outside [A-Za-z0-9_.-] become '-', at most 63 characters."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value.strip()).strip("-_.")
-    return cleaned[:63].rstrip("-_.")
+def _mig_labels(state: NodeState, config: AgentConfig, product: str) -> dict[str, str]:
+    """mig.strategy, and per-profile labels as GPU feature discovery writes them for single and mixed."""
+    strategy = config.flags.mig_strategy
+    if strategy == "none":
+        return {}
+    labels: dict[str, str] = {"nvidia.com/mig.strategy": strategy}
+    gpus = {g.index: g for g in state.inventory.gpus}
+    resources = plan(state, config).resources
+    for profile in sorted({m.profile for m in state.inventory.mig_devices}):
+        devices = [m for m in state.inventory.mig_devices if m.profile == profile]
+        memory = str(devices[0].memory_mib)
+        if strategy == "single":
+            advertised = [d for d in resources.get(GPU_RESOURCE, Resource(GPU_RESOURCE, ())).devices
+                          if d.kind == "mig"]
+            if advertised:
+                labels["nvidia.com/gpu.product"] = f"{product}-MIG-{profile}"
+                labels["nvidia.com/gpu.count"] = str(len({d.id.split("::")[0] for d in advertised}))
+                labels["nvidia.com/gpu.memory"] = memory
+            continue
+        prefix = mig_resource(profile)
+        labels[f"{prefix}.count"] = str(len(devices))
+        labels[f"{prefix}.memory"] = memory
+        labels[f"{prefix}.product"] = f"{product}-MIG-{profile}"
+        labels[f"{prefix}.replicas"] = str(replicas_for(config, prefix, gpus[devices[0].parent_index]))
+    return labels
 
 
 def _nvlink_groups(state: NodeState) -> list[set[int]]:
@@ -63,15 +83,20 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     if not inv.gpus:
         return labels
     first = inv.gpus[0]
+    product = sanitise(first.name)
+    slicing = config.sharing.time_slicing
+    shared = any(e.name == GPU_RESOURCE for e in slicing.resources)
+    renamed = slicing.rename_by_default or any(e.name == GPU_RESOURCE and e.rename for e in slicing.resources)
     labels["nvidia.com/gpu.count"] = str(len(inv.gpus))
-    labels["nvidia.com/gpu.product"] = sanitise(first.name)
+    labels["nvidia.com/gpu.product"] = product + ("-SHARED" if shared and not renamed else "")
     labels["nvidia.com/gpu.memory"] = str(first.memory_mib)
     labels["nvidia.com/gpu.family"] = family(*first.compute_capability)
     labels["nvidia.com/gpu.compute.major"] = str(first.compute_capability[0])
     labels["nvidia.com/gpu.compute.minor"] = str(first.compute_capability[1])
-    labels["nvidia.com/gpu.replicas"] = "1"
-    labels["nvidia.com/gpu.sharing-strategy"] = "none"
+    labels["nvidia.com/gpu.replicas"] = str(replicas_for(config, GPU_RESOURCE, first))
+    labels["nvidia.com/gpu.sharing-strategy"] = "time-slicing" if shared else "none"
     labels["nvidia.com/mig.capable"] = str(any(g.mig_capable for g in inv.gpus)).lower()
+    labels.update(_mig_labels(state, config, product))
     numa = [g.numa_node for g in inv.gpus]
     per_numa: dict[int | None, int] = {}
     for node in numa:
@@ -92,10 +117,11 @@ OWNED_NVIDIA_KEYS = frozenset(
         "cuda.driver-version.revision", "cuda.runtime-version.full", "cuda.runtime-version.major",
         "cuda.runtime-version.minor", "gpu.count", "gpu.product", "gpu.memory", "gpu.family",
         "gpu.compute.major", "gpu.compute.minor", "gpu.replicas", "gpu.sharing-strategy", "mig.capable",
+        "mig.strategy",
     )
 )
 
 
 def owned(key: str) -> bool:
     """Whether the agent owns a node label: it writes and removes these and never touches any other."""
-    return key.startswith(OWN_PREFIX) or key in OWNED_NVIDIA_KEYS
+    return key.startswith((OWN_PREFIX, "nvidia.com/mig-")) or key in OWNED_NVIDIA_KEYS

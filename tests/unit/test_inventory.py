@@ -6,6 +6,7 @@ import pytest
 
 from agent.config import parse_config
 from agent.inventory import plan, sharing_conflicts
+from agent.labels import node_labels
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
@@ -159,3 +160,41 @@ def test_index_strategy_for_every_mig_strategy(strategy: str) -> None:
         "mixed": sorted([str(i) for i in range(8) if i != 1] + [f"1:{s}" for s in range(7)]),
     }[strategy]
     assert visible == expected
+
+
+def test_sharing_labels_follow_gpu_feature_discovery() -> None:
+    shared = node(config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                         "    - {name: nvidia.com/gpu, replicas: 4}\n")
+    labels = node_labels(shared, shared.config)
+    assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.replicas"],
+            labels["nvidia.com/gpu.sharing-strategy"]) == ("NVIDIA-H100-80GB-HBM3-SHARED", "4", "time-slicing")
+    renamed = node(config="version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n"
+                          "    - {name: nvidia.com/gpu, replicas: 4}\n")
+    assert node_labels(renamed, renamed.config)["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_mig_labels_for_mixed_and_single() -> None:
+    mixed = node(config="version: v1\nflags:\n  migStrategy: mixed\n", mig={0: MIXED_GPU0, 1: ALL_1G})
+    labels = node_labels(mixed, mixed.config)
+    assert {k: v for k, v in labels.items() if k.startswith(("nvidia.com/mig-", "nvidia.com/mig."))} == {
+        "nvidia.com/mig.capable": "true",
+        "nvidia.com/mig.strategy": "mixed",
+        "nvidia.com/mig-1g.10gb.count": "8",
+        "nvidia.com/mig-1g.10gb.memory": "9984",
+        "nvidia.com/mig-1g.10gb.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
+        "nvidia.com/mig-1g.10gb.replicas": "1",
+        "nvidia.com/mig-2g.20gb.count": "1",
+        "nvidia.com/mig-2g.20gb.memory": "20096",
+        "nvidia.com/mig-2g.20gb.product": "NVIDIA-H100-80GB-HBM3-MIG-2g.20gb",
+        "nvidia.com/mig-2g.20gb.replicas": "1",
+        "nvidia.com/mig-3g.40gb.count": "1",
+        "nvidia.com/mig-3g.40gb.memory": "40448",
+        "nvidia.com/mig-3g.40gb.product": "NVIDIA-H100-80GB-HBM3-MIG-3g.40gb",
+        "nvidia.com/mig-3g.40gb.replicas": "1",
+    }
+    single = node("a100-pcie-nvlink-pairs", config="version: v1\nflags:\n  migStrategy: single\n",
+                  mig={i: [("1g.10gb", s) for s in range(7)] for i in range(4)})
+    labels = node_labels(single, single.config)
+    assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.count"], labels["nvidia.com/mig.strategy"]) == (
+        "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "28", "single"
+    )

@@ -211,11 +211,11 @@ def test_policy_lets_the_agent_write_every_label_it_owns() -> None:
     foreign = variable("foreignLabelKeys")
     prefixes = re.findall(r"startsWith\('([^']+)'\)", foreign)
     reserved = re.findall(r"k == '([^']+)'", foreign)
-    owned_prefixes = ["nvidia.com/gpu.", "nvidia.com/mig.", "nvidia.com/cuda.", "gpu-node-agent.io/"]
+    owned_prefixes = ["nvidia.com/gpu.", "nvidia.com/mig.", "nvidia.com/cuda.", "nvidia.com/mig-", "gpu-node-agent.io/"]
     assert prefixes == [*owned_prefixes, "nvidia.com/gpu.deploy."]
     assert reserved == ["nvidia.com/mig.config", "nvidia.com/gpu.present"]
     assert variable("oldForeignLabelKeys") == foreign.replace("variables.labels", "variables.oldLabels")
-    for key in [*sorted(OWNED_NVIDIA_KEYS), OWN_PREFIX + "numa.nodes"]:
+    for key in [*sorted(OWNED_NVIDIA_KEYS), OWN_PREFIX + "numa.nodes", "nvidia.com/mig-1g.10gb.count"]:
         assert any(key.startswith(p) for p in owned_prefixes), key
         assert key not in reserved and not key.startswith("nvidia.com/gpu.deploy."), key
 
