@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds the kubelet conformance harness (tests/kubelet/harness) and its
+# stand-in plugin (tests/kubelet/stubplugin) into .cache/testbin/. They compile
+# the kubelet's device manager from k8s.io/kubernetes, pinned in
+# tests/kubelet/go.mod; with the kube-apiserver build cache warm this takes
+# under a minute, and nothing when the sources have not changed.
+#
+# usage: hack/kubelet-harness.sh
+set -euo pipefail
+
+# shellcheck source=hack/testbin/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/testbin/lib.sh"
+
+module=$repo_root/tests/kubelet
+t_all=$(date +%s.%N)
+lock_testbin
+
+# Every Go source and the module files; sorted so the stamp is stable.
+mapfile -t sources < <(cd "$module" && find . -name '*.go' -o -name go.mod -o -name go.sum | LC_ALL=C sort)
+stamp=$(stamp_for "kubelet-harness ${sources[*]}" "$repo_root/hack/testbin/lib.sh" "${sources[@]/#/$module/}")
+
+for name in kubelet-harness kubelet-stubplugin; do
+    pkg=./${name#kubelet-}
+    if is_current "$name" "$stamp"; then
+        log "$name: up to date"
+    else
+        log "$name: building"
+        go_build_into "$module" "$name" "$stamp" "$pkg"
+    fi
+done
+
+log "ready in $(elapsed "$t_all") s: $testbin_dir/{kubelet-harness,kubelet-stubplugin}"

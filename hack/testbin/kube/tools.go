@@ -1,0 +1,9 @@
+//go:build tools
+
+// Package tools records the commands this module builds, so that go.sum
+// covers every module they need.
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+)

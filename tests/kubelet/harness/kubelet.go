@@ -1,0 +1,244 @@
+package main
+
+// The kubelet side of the harness: the kubelet's own device manager
+// (devicemanager.ManagerImpl) with its own registration server
+// (plugin/v1beta1), composed as the kubelet composes them, except that the
+// socket directory is a temporary one and every call the manager makes to the
+// plugin passes through a recorder so the harness can check what was asked
+// and what was answered.
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"reflect"
+	"sync"
+	"time"
+	"unsafe"
+
+	cadvisorapi "github.com/google/cadvisor/info/v1"
+	"google.golang.org/grpc"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
+	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
+	plugin "k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/plugin/v1beta1"
+	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
+)
+
+// newManagerImpl is the device manager's own constructor. The exported
+// NewManagerImpl hard-codes /var/lib/kubelet/device-plugins/kubelet.sock and
+// keeps its checkpoint next to it; this one takes the socket path, which is
+// what the kubelet's own tests use.
+//
+//go:linkname newManagerImpl k8s.io/kubernetes/pkg/kubelet/cm/devicemanager.newManagerImpl
+func newManagerImpl(socketPath string, topology []cadvisorapi.Node,
+	topologyAffinityStore topologymanager.Store) (*devicemanager.ManagerImpl, error)
+
+// The machine the harness pretends to be: two NUMA nodes, as on a DGX H100.
+var machineNUMANodes = []cadvisorapi.Node{{Id: 0}, {Id: 1}}
+
+// noAffinity is the topology store of a kubelet running the default
+// topology-manager policy "none": no container gets a NUMA affinity, so the
+// device manager leaves the choice of devices to GetPreferredAllocation.
+type noAffinity struct{}
+
+func (noAffinity) GetAffinity(string, string) topologymanager.TopologyHint {
+	return topologymanager.TopologyHint{}
+}
+
+func (noAffinity) GetPolicy() topologymanager.Policy { return topologymanager.NewNonePolicy() }
+
+type allSourcesReady struct{}
+
+func (allSourcesReady) AddSource(string) {}
+func (allSourcesReady) AllReady() bool   { return true }
+
+// connection is one successful registration: the kubelet dialled the
+// plugin's socket and asked for its options.
+type connection struct {
+	resource string
+	socket   string
+	options  *pluginapi.DevicePluginOptions
+	at       time.Time
+}
+
+type preferredCall struct {
+	req  *pluginapi.PreferredAllocationRequest
+	resp *pluginapi.PreferredAllocationResponse
+	err  error
+}
+
+type allocateCall struct {
+	req  *pluginapi.AllocateRequest
+	resp *pluginapi.AllocateResponse
+	err  error
+}
+
+// recorder sits between the registration server and the manager: it hands
+// every call on unchanged and remembers it.
+type recorder struct {
+	m *devicemanager.ManagerImpl
+
+	mu          sync.Mutex
+	changed     chan struct{} // closed and replaced on every event
+	connections []connection
+	updates     int // ListAndWatch responses received
+	preferred   []preferredCall
+	allocations []allocateCall
+}
+
+func newRecorder(m *devicemanager.ManagerImpl) *recorder {
+	return &recorder{m: m, changed: make(chan struct{})}
+}
+
+func (r *recorder) record(f func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	f()
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
+// waitFor waits until cond (called with the lock held) is true or the
+// timeout passes; it reports whether cond became true.
+func (r *recorder) waitFor(timeout time.Duration, cond func() bool) bool {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	for {
+		r.mu.Lock()
+		ok := cond()
+		ch := r.changed
+		r.mu.Unlock()
+		if ok {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			return cond()
+		}
+	}
+}
+
+func (r *recorder) CleanupPluginDirectory(dir string) error { return r.m.CleanupPluginDirectory(dir) }
+
+func (r *recorder) PluginConnected(resource string, p plugin.DevicePlugin) error {
+	rp := &recordingPlugin{DevicePlugin: p, rec: r}
+	rp.client = &recordingClient{DevicePluginClient: p.API(), rec: r}
+	err := r.m.PluginConnected(resource, rp)
+	if err == nil {
+		r.record(func() {
+			r.connections = append(r.connections, connection{
+				resource: resource, socket: p.SocketPath(), options: rp.client.lastOptions(), at: time.Now(),
+			})
+		})
+	}
+	return err
+}
+
+func (r *recorder) PluginDisconnected(resource string) { r.m.PluginDisconnected(resource) }
+
+func (r *recorder) PluginListAndWatchReceiver(resource string, resp *pluginapi.ListAndWatchResponse) {
+	r.m.PluginListAndWatchReceiver(resource, resp)
+	r.record(func() { r.updates++ })
+}
+
+type recordingPlugin struct {
+	plugin.DevicePlugin
+	rec    *recorder
+	client *recordingClient
+}
+
+func (p *recordingPlugin) API() pluginapi.DevicePluginClient { return p.client }
+
+type recordingClient struct {
+	pluginapi.DevicePluginClient
+	rec *recorder
+
+	mu      sync.Mutex
+	options *pluginapi.DevicePluginOptions
+}
+
+func (c *recordingClient) lastOptions() *pluginapi.DevicePluginOptions {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.options
+}
+
+func (c *recordingClient) GetDevicePluginOptions(ctx context.Context, in *pluginapi.Empty,
+	opts ...grpc.CallOption) (*pluginapi.DevicePluginOptions, error) {
+	resp, err := c.DevicePluginClient.GetDevicePluginOptions(ctx, in, opts...)
+	c.mu.Lock()
+	c.options = resp
+	c.mu.Unlock()
+	return resp, err
+}
+
+func (c *recordingClient) GetPreferredAllocation(ctx context.Context, in *pluginapi.PreferredAllocationRequest,
+	opts ...grpc.CallOption) (*pluginapi.PreferredAllocationResponse, error) {
+	resp, err := c.DevicePluginClient.GetPreferredAllocation(ctx, in, opts...)
+	c.rec.record(func() { c.rec.preferred = append(c.rec.preferred, preferredCall{in, resp, err}) })
+	return resp, err
+}
+
+func (c *recordingClient) Allocate(ctx context.Context, in *pluginapi.AllocateRequest,
+	opts ...grpc.CallOption) (*pluginapi.AllocateResponse, error) {
+	resp, err := c.DevicePluginClient.Allocate(ctx, in, opts...)
+	c.rec.record(func() { c.rec.allocations = append(c.rec.allocations, allocateCall{in, resp, err}) })
+	return resp, err
+}
+
+// kubelet is one life of the kubelet's device manager; a restart is a new one
+// over the same directory, as after `systemctl restart kubelet`.
+type kubelet struct {
+	manager   *devicemanager.ManagerImpl
+	rec       *recorder
+	startedAt time.Time
+}
+
+// startKubelet builds a device manager serving <dir>/kubelet.sock and starts
+// it: the manager reads its checkpoint, its registration server removes every
+// socket in dir (CleanupPluginDirectory) and listens on kubelet.sock.
+func startKubelet(dir string, activePods func() []*v1.Pod) (*kubelet, error) {
+	socket := filepath.Join(dir, "kubelet.sock")
+	m, err := newManagerImpl(socket, machineNUMANodes, noAffinity{})
+	if err != nil {
+		return nil, fmt.Errorf("creating the device manager: %w", err)
+	}
+	rec := newRecorder(m)
+	srv, err := plugin.NewServer(socket, rec, rec)
+	if err != nil {
+		return nil, fmt.Errorf("creating the registration server: %w", err)
+	}
+	if err := setRegistrationServer(m, srv); err != nil {
+		return nil, err
+	}
+	startedAt := time.Now()
+	err = m.Start(activePods, allSourcesReady{}, containermap.NewContainerMap(), sets.New[string]())
+	if err != nil {
+		return nil, fmt.Errorf("starting the device manager: %w", err)
+	}
+	return &kubelet{manager: m, rec: rec, startedAt: startedAt}, nil
+}
+
+// stop ends this life: the registration server disconnects every plugin and
+// stops serving kubelet.sock.
+func (k *kubelet) stop() error { return k.manager.Stop() }
+
+// setRegistrationServer swaps the manager's registration server for one whose
+// client handler is the recorder. The manager keeps it in an unexported field,
+// so this goes through reflect; the type check makes a changed field fail
+// loudly instead of corrupting memory.
+func setRegistrationServer(m *devicemanager.ManagerImpl, srv plugin.Server) error {
+	field := reflect.ValueOf(m).Elem().FieldByName("server")
+	want := reflect.TypeOf((*plugin.Server)(nil)).Elem()
+	if !field.IsValid() || field.Type() != want {
+		return fmt.Errorf("devicemanager.ManagerImpl has no field `server %s`; this harness needs updating", want)
+	}
+	reflect.NewAt(field.Type(), unsafe.Pointer(field.UnsafeAddr())).Elem().Set(reflect.ValueOf(srv))
+	return nil
+}
