@@ -5,13 +5,18 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root}
 py=${PYTHON:-$root/.venv/bin/python}
-mkdir -p "$out/agent/deviceplugin/v1beta1"
-"$py" -m grpc_tools.protoc \
-  "-Iagent/deviceplugin/v1beta1=$root/protos/deviceplugin/v1beta1" \
-  --plugin=protoc-gen-mypy="$(dirname "$py")/protoc-gen-mypy" \
-  --plugin=protoc-gen-mypy_grpc="$(dirname "$py")/protoc-gen-mypy_grpc" \
-  --python_out="$out" --mypy_out="$out" --grpc_python_out="$out" --mypy_grpc_out="$out" \
-  "$root/protos/deviceplugin/v1beta1/api.proto"
-[ -f "$out/agent/deviceplugin/v1beta1/__init__.py" ] || \
-  echo '"""Generated kubelet Device Plugin API v1beta1 stubs; regenerate with make protos, never edit."""' \
-    > "$out/agent/deviceplugin/v1beta1/__init__.py"
+# generate PROTO_DIR PYTHON_PACKAGE_DIR DESCRIPTION
+generate() {
+  local protos=$1 package=$2 what=$3
+  mkdir -p "$out/$package"
+  "$py" -m grpc_tools.protoc \
+    "-I$package=$root/$protos" \
+    --plugin=protoc-gen-mypy="$(dirname "$py")/protoc-gen-mypy" \
+    --plugin=protoc-gen-mypy_grpc="$(dirname "$py")/protoc-gen-mypy_grpc" \
+    --python_out="$out" --mypy_out="$out" --grpc_python_out="$out" --mypy_grpc_out="$out" \
+    "$root/$protos/api.proto"
+  [ -f "$out/$package/__init__.py" ] || \
+    echo "\"\"\"Generated $what stubs; regenerate with make protos, never edit.\"\"\"" > "$out/$package/__init__.py"
+}
+generate protos/deviceplugin/v1beta1 agent/deviceplugin/v1beta1 "kubelet Device Plugin API v1beta1"
+generate protos/podresources/v1 agent/podresources_v1 "kubelet PodResources API v1"

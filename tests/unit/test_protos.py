@@ -10,7 +10,11 @@ import pytest
 from agent.deviceplugin.v1beta1 import api_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ["api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi"]
+GENERATED = [
+    f"agent/{package}/{name}"
+    for package in ("deviceplugin/v1beta1", "podresources_v1")
+    for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi")
+]
 
 # (message, field) -> (number, type name) as the kubelet's v1beta1 API defines them.
 WIRE = {
@@ -54,12 +58,7 @@ SCALARS = {8: "bool", 9: "string", 3: "int64", 5: "int32"}
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     subprocess.run([str(ROOT / "hack/protos.sh"), str(tmp_path)], check=True, capture_output=True)
-    stale = [
-        name
-        for name in GENERATED
-        if (tmp_path / "agent/deviceplugin/v1beta1" / name).read_bytes()
-        != (ROOT / "agent/deviceplugin/v1beta1" / name).read_bytes()
-    ]
+    stale = [name for name in GENERATED if (tmp_path / name).read_bytes() != (ROOT / name).read_bytes()]
     assert stale == [], f"stale generated stubs (run `make protos`): {stale}"
 
 
@@ -87,6 +86,27 @@ def test_wire_field_numbers(message: str, field: str) -> None:
     descriptor = api_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[field]
     kind = descriptor.message_type.name if descriptor.message_type else SCALARS[descriptor.type]
     assert (descriptor.number, kind) == WIRE[(message, field)]
+
+
+def test_podresources_wire_contract() -> None:
+    from agent.podresources_v1 import api_pb2 as pr
+
+    assert pr.DESCRIPTOR.package == "v1"
+    service = pr.DESCRIPTOR.services_by_name["PodResourcesLister"]
+    assert [m.name for m in service.methods] == ["List", "GetAllocatableResources"]
+    fields = {
+        (m.name, f.name): f.number for m in pr.DESCRIPTOR.message_types_by_name.values() for f in m.fields
+    }
+    assert fields == {
+        ("AllocatableResourcesResponse", "devices"): 1, ("AllocatableResourcesResponse", "cpu_ids"): 2,
+        ("AllocatableResourcesResponse", "memory"): 3, ("ListPodResourcesResponse", "pod_resources"): 1,
+        ("PodResources", "name"): 1, ("PodResources", "namespace"): 2, ("PodResources", "containers"): 3,
+        ("ContainerResources", "name"): 1, ("ContainerResources", "devices"): 2, ("ContainerResources", "cpu_ids"): 3,
+        ("ContainerResources", "memory"): 4, ("ContainerMemory", "memory_type"): 1, ("ContainerMemory", "size"): 2,
+        ("ContainerMemory", "topology"): 3, ("ContainerDevices", "resource_name"): 1,
+        ("ContainerDevices", "device_ids"): 2, ("ContainerDevices", "topology"): 3, ("TopologyInfo", "nodes"): 1,
+        ("NUMANode", "ID"): 1,
+    }
 
 
 def test_every_field_is_covered() -> None:
