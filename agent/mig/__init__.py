@@ -1,0 +1,1 @@
+"""MIG: layout files, placement planning and applying layouts through the NVML boundary."""
