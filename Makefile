@@ -39,6 +39,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/allocator_bench.py
+	$(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -76,7 +76,7 @@ if [[ $got != "Kubernetes $kube_version" ]]; then
     rm -f "$testbin_dir/kube-apiserver.stamp"
     exit 1
 fi
-got=$("$testbin_dir/etcd" --version | head -n1)
+got=$("$testbin_dir/etcd" --version | sed -n 1p)  # sed reads to the end: no SIGPIPE under pipefail
 if [[ $got != "etcd Version: ${etcd_version#v}" ]]; then
     log "etcd reports '$got', expected 'etcd Version: ${etcd_version#v}'"
     rm -f "$testbin_dir/etcd.stamp"

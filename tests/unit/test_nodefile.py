@@ -16,7 +16,8 @@ from agent.nvml.nodefile import (
     presets,
 )
 
-KNOWN_PRESETS = "a100-pcie-nvlink-pairs, dgx-a100, dgx-h100, hgx-h200, pcie-l40s-4, single-h200"
+KNOWN_PRESETS = ("a100-pcie-nvlink-pairs, dgx-a100, dgx-h100, hgx-16-nvswitch, hgx-h200, pcie-16-nvlink-pairs, "
+                 "pcie-l40s-4, single-h200")
 
 
 def _errors(text: str) -> list[str]:

@@ -1,0 +1,387 @@
+"""Device-plugin measurements over real unix sockets on the fake NVML: latencies, health propagation, RSS, CPU.
+
+Each function starts what it measures (an in-process Agent with a stand-in kubelet, or a `gpu-agent run`
+subprocess), drives it through a gRPC client channel to the plugin socket as the kubelet would, and returns
+plain JSON-ready dicts. Nothing here decides pass or fail; `bench/run.py` holds the budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.simulate import StandInKubelet
+from agent.topology.model import Topology
+from agent.topology.prefer import topology_of
+from tests.plugin_harness import Rig, running_agent, short_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+RESOURCE = "nvidia.com/gpu"
+WARMUP_CALLS = 20
+"""Untimed calls before each timed series: the first calls on a channel pay for connection setup."""
+XID = 48
+"""Double-bit ECC error: the default health policy marks the GPU unhealthy at once."""
+INJECT_PHASE_S = 0.25
+"""Each injection waits a random 0..this long first, so injections land at every phase of the monitor's
+200 ms NVML event wait and its 5 s sampling loop."""
+UPDATE_TIMEOUT_S = 5.0
+SETTLE_S = 2.0
+"""Pause after the agent process registers, so its first health sample is done before RSS is read."""
+
+
+# --- statistics --------------------------------------------------------------------------------------------
+
+
+def percentile(ascending: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending, non-empty sequence."""
+    rank = max(1, -(-len(ascending) * q // 100))
+    return ascending[int(rank) - 1]
+
+
+def latency(ms: Sequence[float], cpu_ms: Sequence[float] | None = None) -> dict[str, Any]:
+    """Nearest-rank p50, p99 and max of wall-clock times; with `cpu_ms`, p50 and p99 of the CPU time this
+    process spent per call too (all its threads), which a busy machine inflates far less than wall time."""
+    ordered = sorted(ms)
+    figures = {
+        "calls": len(ordered),
+        "p50_ms": round(percentile(ordered, 50), 3),
+        "p99_ms": round(percentile(ordered, 99), 3),
+        "max_ms": round(ordered[-1], 3),
+    }
+    if cpu_ms is not None:
+        cpu = sorted(cpu_ms)
+        figures |= {"cpu_p50_ms": round(percentile(cpu, 50), 3), "cpu_p99_ms": round(percentile(cpu, 99), 3)}
+    return figures
+
+
+class Timer:
+    """Wall-clock and process CPU time of each timed call, in ms."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        cpu, wall = time.process_time(), time.perf_counter()
+        yield
+        self.wall.append((time.perf_counter() - wall) * 1000)
+        self.cpu.append((time.process_time() - cpu) * 1000)
+
+    def figures(self) -> dict[str, Any]:
+        return latency(self.wall, self.cpu)
+
+
+# --- the brute-force optimum ---------------------------------------------------------------------------------
+
+
+def brute_force_optimum(topo: Topology, available: Sequence[int], must: Sequence[int], size: int) -> list[int]:
+    """The best set of `size` GPUs by the order of docs/allocation.md, found by enumerating every set.
+
+    Order: highest value, fewest NUMA nodes, highest remainder (best value of a `size`-subset of the candidates
+    left over, skipped when fewer than `size` are left), smallest sorted index tuple. The key is compared
+    left to right, so the remainder only needs computing for the sets that tie on value and span; it is the
+    first disjoint set in the list of all `size`-subsets ranked by value, which is every `size`-subset of the
+    leftover candidates enumerated.
+    """
+    candidates = sorted(set(available) | set(must))
+    scores, numa = topo.scores, topo.numa
+    must_mask = sum(1 << g for g in set(must))
+    subsets: list[tuple[int, int, tuple[int, ...]]] = []
+    for combo in combinations(candidates, size):
+        value = 0
+        for i, a in enumerate(combo):
+            row = scores[a]
+            for b in combo[i + 1 :]:
+                value += row[b]
+        subsets.append((value, sum(1 << g for g in combo), combo))
+    keyed = [
+        (value, len({numa[g] for g in combo}), mask, combo)
+        for value, mask, combo in subsets
+        if mask & must_mask == must_mask
+    ]
+    best_value = max(k[0] for k in keyed)
+    best_span = min(k[1] for k in keyed if k[0] == best_value)
+    ties = [k for k in keyed if k[0] == best_value and k[1] == best_span]
+    if len(ties) == 1 or len(candidates) - size < size:
+        return list(min(t[3] for t in ties))
+    ranked = sorted(subsets, key=lambda s: -s[0])
+
+    def remainder(mask: int) -> int:
+        return next(value for value, other, _ in ranked if other & mask == 0)
+
+    return list(min(ties, key=lambda t: (-remainder(t[2]), t[3]))[3])
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def _stub(rig: Rig) -> tuple[grpc.aio.Channel, api_pb2_grpc.DevicePluginStub]:
+    endpoint = rig.kubelet.plugins[RESOURCE].endpoint
+    channel = grpc.aio.insecure_channel(f"unix://{rig.directory / endpoint}")
+    return channel, api_pb2_grpc.DevicePluginStub(channel)
+
+
+def _preferred_request(ids: Sequence[str], available: Sequence[int], must: Sequence[int], size: int) -> Any:
+    return api_pb2.PreferredAllocationRequest(
+        container_requests=[
+            api_pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=[ids[g] for g in available],
+                must_include_deviceIDs=[ids[g] for g in must],
+                allocation_size=size,
+            )
+        ]
+    )
+
+
+def _allocate_request(chosen: Sequence[str]) -> Any:
+    return api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(chosen))])
+
+
+def _draw(rng: random.Random, gpus: int, size: int, trial: int) -> tuple[list[int], list[int]]:
+    """Random availability of at least `size` GPUs; every fourth request of size 2 or more also names one or
+    two must-include GPUs among them (as the kubelet does for devices a container already holds)."""
+    available = sorted(rng.sample(range(gpus), rng.randint(size, gpus)))
+    must: list[int] = []
+    if size >= 2 and trial % 4 == 3:
+        must = sorted(rng.sample(available, rng.randint(1, min(2, size - 1))))
+    return available, must
+
+
+# --- GetPreferredAllocation ---------------------------------------------------------------------------------
+
+
+async def preferred_allocation(
+    preset: str, calls_per_size: int, rng: random.Random, check_share: float = 1.0
+) -> dict[str, Any]:
+    """GetPreferredAllocation latency for every request size 1..N, and how often the answer is the optimum.
+
+    `check_share` of the requests (all by default) are compared with `brute_force_optimum`, outside the timing.
+    """
+    async with running_agent(preset) as rig:
+        assert rig.agent.bus is not None
+        inventory = rig.agent.bus.current.inventory
+        topo = topology_of(inventory)
+        ids = [g.uuid for g in inventory.gpus]
+        index = {uuid: g for g, uuid in enumerate(ids)}
+        n = len(ids)
+        channel, stub = _stub(rig)
+        async with channel:
+            for trial in range(WARMUP_CALLS):
+                available, must = _draw(rng, n, 1 + trial % n, trial)
+                await stub.GetPreferredAllocation(_preferred_request(ids, available, must, 1 + trial % n))
+            by_size: dict[int, Timer] = {}
+            checked = optimal = 0
+            mismatches: list[dict[str, Any]] = []
+            for size in range(1, n + 1):
+                for trial in range(calls_per_size):
+                    available, must = _draw(rng, n, size, trial)
+                    request = _preferred_request(ids, available, must, size)
+                    with by_size.setdefault(size, Timer())():
+                        response = await stub.GetPreferredAllocation(request)
+                    answer = sorted(index[d] for d in response.container_responses[0].deviceIDs)
+                    if rng.random() < check_share:
+                        checked += 1
+                        best = brute_force_optimum(topo, available, must, size)
+                        if answer == best:
+                            optimal += 1
+                        elif len(mismatches) < 10:
+                            mismatches.append(
+                                {"available": available, "must_include": must, "size": size,
+                                 "answer": answer, "optimum": best}
+                            )
+    wall = [ms for timer in by_size.values() for ms in timer.wall]
+    cpu = [ms for timer in by_size.values() for ms in timer.cpu]
+    return {
+        "preset": preset,
+        "gpus": n,
+        **latency(wall, cpu),
+        "by_size": {str(size): timer.figures() for size, timer in by_size.items()},
+        "optimum": {"checked": checked, "optimal": optimal, "mismatches": mismatches},
+    }
+
+
+# --- Allocate -----------------------------------------------------------------------------------------------
+
+
+async def _allocate_series(
+    stub: api_pb2_grpc.DevicePluginStub, ids: Sequence[str], calls: int, rng: random.Random
+) -> Timer:
+    """Allocate calls for random sets of 1..N devices, each timed."""
+    for _ in range(WARMUP_CALLS):
+        await stub.Allocate(_allocate_request(rng.sample(list(ids), rng.randint(1, len(ids)))))
+    timer = Timer()
+    for _ in range(calls):
+        request = _allocate_request(rng.sample(list(ids), rng.randint(1, len(ids))))
+        with timer():
+            await stub.Allocate(request)
+    return timer
+
+
+async def allocate(preset: str, calls: int, rng: random.Random) -> dict[str, Any]:
+    """Allocate latency against an in-process agent."""
+    async with running_agent(preset) as rig:
+        ids = [d.ID for d in rig.devices()]
+        channel, stub = _stub(rig)
+        async with channel:
+            timer = await _allocate_series(stub, ids, calls, rng)
+    return {"preset": preset, "gpus": len(ids), **timer.figures()}
+
+
+# --- health change to ListAndWatch --------------------------------------------------------------------------
+
+
+async def health_to_list_and_watch(preset: str, injections: int, rng: random.Random) -> dict[str, Any]:
+    """Time from `inject_xid` on one GPU to the ListAndWatch response that lists it Unhealthy.
+
+    A faulted GPU recovers only after several clean health samples (seconds), longer than one agent's round of
+    injections, so each injection goes to a GPU that is still healthy; once every GPU of an agent has had one,
+    a fresh agent takes over.
+    """
+    samples: list[float] = []
+    agents = 0
+    while len(samples) < injections:
+        agents += 1
+        async with running_agent(preset) as rig:
+            assert rig.agent.bus is not None
+            uuids = [g.uuid for g in rig.agent.bus.current.inventory.gpus]
+            channel, stub = _stub(rig)
+            async with channel:
+                stream = stub.ListAndWatch(api_pb2.Empty())
+                first = await asyncio.wait_for(stream.read(), UPDATE_TIMEOUT_S)
+                if any(d.health != "Healthy" for d in first.devices):
+                    raise RuntimeError(f"{preset}: a fresh agent listed an unhealthy device")
+                for gpu, uuid in enumerate(uuids):
+                    if len(samples) == injections:
+                        break
+                    await asyncio.sleep(rng.uniform(0, INJECT_PHASE_S))
+                    start = time.perf_counter()
+                    rig.fake.inject_xid(gpu, XID)
+                    while True:
+                        response = await asyncio.wait_for(stream.read(), UPDATE_TIMEOUT_S)
+                        health = {d.ID: d.health for d in response.devices}
+                        if health[uuid] == "Unhealthy":
+                            break
+                    samples.append((time.perf_counter() - start) * 1000)
+                stream.cancel()
+    return {"preset": preset, "xid": XID, "agents": agents, **latency(samples)}
+
+
+# --- the agent as its own process ---------------------------------------------------------------------------
+
+
+def agent_command() -> list[str]:
+    """`gpu-agent` from this interpreter's environment (the DaemonSet's entrypoint); `-m agent.cli` without it."""
+    script = Path(sys.executable).with_name("gpu-agent")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "agent.cli"]
+
+
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process in bytes, from /proc/<pid>/status (kB there means KiB)."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included) from /proc/<pid>/stat."""
+    after_comm = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime = int(after_comm[11]), int(after_comm[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+async def agent_process(preset: str, allocations: int, idle_s: float, rng: random.Random) -> dict[str, Any]:
+    """Run `gpu-agent run --nvml mock:PRESET` against a stand-in kubelet in this process; read its RSS after
+    start and after `allocations` Allocate calls, then its CPU time over `idle_s` seconds of idling (the
+    stand-in kubelet keeps its ListAndWatch stream open, as a kubelet does)."""
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    log_path = directory / "agent.log"
+    command = [*agent_command(), "run", "--nvml", f"mock:{preset}", "--kubelet-dir", str(directory),
+               "--no-kube", "--metrics-port", "0"]
+    # The agent imported from this tree, whatever the environment's installed copy points at.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log, env=env)
+    try:
+        try:
+            await kubelet.wait_for({RESOURCE}, 60)
+        except TimeoutError:
+            raise RuntimeError(f"the agent did not register within 60 s:\n{log_path.read_text()}") from None
+        await asyncio.sleep(SETTLE_S)
+        rss_start, _ = rss_bytes(proc.pid)
+        ids = [d.ID for d in kubelet.plugins[RESOURCE].devices]
+        endpoint = kubelet.plugins[RESOURCE].endpoint
+        async with grpc.aio.insecure_channel(f"unix://{directory / endpoint}") as channel:
+            agent_cpu = cpu_seconds(proc.pid)
+            timer = await _allocate_series(api_pb2_grpc.DevicePluginStub(channel), ids, allocations, rng)
+            agent_cpu = cpu_seconds(proc.pid) - agent_cpu
+        rss_after, rss_peak = rss_bytes(proc.pid)
+        cpu_before, wall_before = cpu_seconds(proc.pid), time.monotonic()
+        await asyncio.sleep(idle_s)
+        cpu_after, wall_after = cpu_seconds(proc.pid), time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        exit_code = await asyncio.wait_for(proc.wait(), 15)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await kubelet.stop()
+        log_text = log_path.read_text(errors="replace")
+        shutil.rmtree(directory, ignore_errors=True)
+    if exit_code != 0 or "Traceback" in log_text:
+        raise RuntimeError(f"the agent process exited {exit_code}:\n{log_text}")
+    idle_wall = wall_after - wall_before
+    idle_cpu = cpu_after - cpu_before
+    return {
+        "preset": preset,
+        "command": f"gpu-agent run --nvml mock:{preset} --kubelet-dir DIR --no-kube --metrics-port 0",
+        "gpus": len(ids),
+        "rss_after_start_bytes": rss_start,
+        "rss_after_allocations_bytes": rss_after,
+        "rss_peak_bytes": rss_peak,
+        "allocate": {
+            "allocations": allocations,
+            **latency(timer.wall),
+            # Warm-up calls included: the agent's CPU is read around the whole series.
+            "agent_cpu_ms_per_call": round(1000 * agent_cpu / (allocations + WARMUP_CALLS), 3),
+        },
+        "idle": {
+            "wall_s": round(idle_wall, 3),
+            "cpu_s": round(idle_cpu, 3),
+            "cpu_percent_of_core": round(100 * idle_cpu / idle_wall, 3),
+        },
+    }
+
+
+@contextlib.contextmanager
+def quiet_logs(path: Path) -> Iterator[None]:
+    """Send the in-process agent's logs (INFO and up, as the DaemonSet logs) to a file instead of the console."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        handler.close()
