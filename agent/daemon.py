@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -137,6 +138,7 @@ class Agent:
             lambda name: DevicePluginServicer(name, bus, self.plans, preferences),
             lambda: set(self.plans(bus.current).resources),
             opts.kubelet_dir,
+            bus,
         )
         self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml)
         self._spawn("device-plugins", self.plugins.run)
@@ -232,6 +234,9 @@ async def run_until_signal(agent: Agent) -> int:
     loop.add_signal_handler(signal.SIGHUP, agent.hangup.set)
     try:
         await agent.start()
+        # Everything allocated so far lives as long as the process: keep it out of every later collection.
+        gc.collect()
+        gc.freeze()
         await stop.wait()
         log.info("signal received; shutting down")
     finally:

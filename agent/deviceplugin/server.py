@@ -14,8 +14,10 @@ from pathlib import Path
 
 import grpc
 
+from agent.deviceplugin.dirwatch import DirWatch
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.state import StateBus
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +26,17 @@ API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 15.0
 """The kubelet dials back (up to 10 s) and calls GetDevicePluginOptions before Register returns."""
 POLL_INTERVAL_S = 0.2
-"""How often the kubelet socket and the plugin sockets are checked; re-registration follows within this."""
+"""How often sockets are checked when inotify is not available."""
+IDLE_CHECK_S = 10.0
+"""With inotify, a check this often all the same, in case an event was missed."""
 BACKOFF_MAX_S = 5.0
+
+
+def _dir_inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
 
 
 def _slug(resource: str) -> str:
@@ -129,11 +140,16 @@ class PluginSet:
     """
 
     def __init__(
-        self, make_servicer: Callable[[str], DevicePluginServicer], wanted: Callable[[], set[str]], kubelet_dir: Path
+        self,
+        make_servicer: Callable[[str], DevicePluginServicer],
+        wanted: Callable[[], set[str]],
+        kubelet_dir: Path,
+        bus: StateBus,
     ) -> None:
         self._instance = secrets.token_hex(4)
         self._make_servicer = make_servicer
         self._wanted = wanted
+        self._bus = bus
         self.kubelet_dir = kubelet_dir
         self.plugins: dict[str, ResourcePlugin] = {}
         self.registered = asyncio.Event()
@@ -146,14 +162,38 @@ class PluginSet:
         for name in sorted(wanted - set(self.plugins)):
             self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._instance)
 
+    async def _wait(self, watch: DirWatch, timeout: float) -> None:
+        """Until the socket directory changes, the resources may have changed, or `timeout` passes."""
+        version = self._bus.current.version
+        newer = asyncio.ensure_future(self._bus.wait_newer(version))
+        changed = asyncio.ensure_future(watch.changed.wait())
+        try:
+            await asyncio.wait({newer, changed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            newer.cancel()
+            changed.cancel()
+        watch.changed.clear()
+
     async def run(self) -> None:
         """Serve and register every resource; follow resource changes and kubelet restarts. Never returns."""
+        watch = DirWatch(self.kubelet_dir)
+        try:
+            await self._run(watch)
+        finally:
+            watch.stop()
+
+    async def _run(self, watch: DirWatch) -> None:
         kubelet_sock = self.kubelet_dir / KUBELET_SOCKET
         backoff = 0.0
         retry_at = 0.0
         failed_on: tuple[int, int] | None = None
         loop = asyncio.get_running_loop()
+        watched: int | None = None
         while True:
+            directory = _dir_inode(self.kubelet_dir)
+            if directory != watched:  # first pass, or the directory was replaced: watch the new one
+                watch.stop()
+                watched = directory if directory is not None and watch.start() else None
             await self._sync_resources()
             kubelet = _inode(kubelet_sock)
             plugins = list(self.plugins.values())
@@ -176,7 +216,10 @@ class PluginSet:
                 self.registered.set()
             else:
                 self.registered.clear()
-            await asyncio.sleep(POLL_INTERVAL_S)
+            timeout = IDLE_CHECK_S if watch.active else POLL_INTERVAL_S
+            if backoff:
+                timeout = min(timeout, max(0.0, retry_at - loop.time()))
+            await self._wait(watch, timeout)
 
     async def stop(self, grace: float = 1.0) -> None:
         await asyncio.gather(*(p.stop(grace) for p in self.plugins.values()))

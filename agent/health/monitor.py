@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
-EVENT_WAIT_MS = 200
-"""One event wait on the NVML thread; short so samples interleave without concurrent NVML calls."""
+EVENT_WAIT_MS = 500
+"""One event wait on the NVML thread (an event ends it at once); bounded so samples and MIG changes
+interleave without concurrent NVML calls."""
 
 
 class HealthMonitor:

@@ -1,0 +1,70 @@
+"""Wakes the event loop when files appear in or leave the kubelet's device-plugin directory (Linux inotify)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+IN_CREATE = 0x100
+IN_DELETE = 0x200
+IN_MOVED_FROM = 0x40
+IN_MOVED_TO = 0x80
+IN_DELETE_SELF = 0x400
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+
+
+class DirWatch:
+    """Sets `changed` on any entry created, deleted or moved in one directory.
+
+    Without inotify (another OS, or the directory missing) it does nothing and callers fall back to polling.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.changed = asyncio.Event()
+        self._fd = -1
+
+    @property
+    def active(self) -> bool:
+        return self._fd >= 0
+
+    def start(self) -> bool:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return False
+        try:
+            libc = ctypes.CDLL(name, use_errno=True)
+            fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        except (OSError, AttributeError):
+            return False
+        if fd < 0:
+            return False
+        mask = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF
+        if libc.inotify_add_watch(fd, os.fsencode(self.directory), mask) < 0:
+            os.close(fd)
+            log.debug("cannot watch %s: %s", self.directory, os.strerror(ctypes.get_errno()))
+            return False
+        self._fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._drain)
+        return True
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._fd, 4096):
+                pass
+        self.changed.set()
+
+    def stop(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
