@@ -82,6 +82,16 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument("--inject-xid", action="append", default=[], metavar="GPU:XID", type=_gpu_xid,
                      help="after start, inject XID on GPU (by index); repeatable")
     sim.add_argument("--json", action="store_true", help="machine-readable output")
+    mig = sub.add_parser("mig", help="plan, apply or check a MIG layout without a cluster")
+    mig.add_argument("action", choices=("plan", "apply", "assert"),
+                     help="plan: print the changes; apply: make them; assert: exit 0 only if applied")
+    _add_nvml(mig, "real")
+    mig.add_argument("--mig-config", type=Path, metavar="FILE",
+                     help="layout file in the mig-parted v1 format (default: the shipped layouts)")
+    mig.add_argument("--layout", required=True, metavar="NAME", help="the layout to plan, apply or check")
+    mig.add_argument("--state-dir", type=Path, default=Path("/var/lib/gpu-node-agent"),
+                     help="where the apply journal is kept (default: %(default)s)")
+    mig.add_argument("--json", action="store_true", help="machine-readable output")
     return top
 
 
@@ -232,7 +242,60 @@ def _node_name(source: str) -> str:
     return f"sim-{Path(source).stem}" if source.endswith((".yaml", ".yml")) else f"sim-{source}"
 
 
-COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "simulate": cmd_simulate}
+def cmd_mig(args: argparse.Namespace) -> int:
+    from agent.mig.applier import Journal, apply_layout, plan_layout
+    from agent.mig.layout import LayoutError, load_layouts
+    from agent.mig.planner import PlanError
+    from agent.nvml.backend import MigOps, NvmlUnavailable
+
+    try:
+        layout = load_layouts(args.mig_config).layout(args.layout)
+    except LayoutError as err:
+        raise CliError(str(err).replace("\n", "; ")) from err
+    except OSError as err:
+        raise CliError(f"cannot read {args.mig_config}: {err.strerror}") from err
+    backend = _backend(args.nvml, args.mock_state)
+    try:
+        backend.init()
+    except NvmlUnavailable as err:
+        raise CliError(str(err)) from err
+    try:
+        ops = MigOps(backend)
+        gpus = len(backend.inventory().gpus)
+        if args.action == "apply":
+            result = apply_layout(ops, gpus, layout, Journal(args.state_dir), step=lambda s: print(s, flush=True))
+            if args.json:
+                print(json.dumps({"layout": result.layout, "outcome": result.outcome, "reason": result.reason}))
+            else:
+                print(f"{result.outcome}: {result.reason}")
+            return 0 if result.outcome == "success" else EXIT_ERROR
+        try:
+            plan = plan_layout(ops, gpus, layout)
+        except PlanError as err:
+            if args.json:
+                print(json.dumps({"layout": layout.name, "feasible": False,
+                                  "problems": [{"gpu": i, "reason": r} for i, r in err.problems]}))
+            else:
+                print(f"layout {layout.name!r} cannot be applied:\n{err}")
+            return EXIT_ERROR
+        if args.json:
+            print(json.dumps({
+                "layout": layout.name, "feasible": True, "applied": plan.noop, "untouched": list(plan.untouched),
+                "gpus": [{"gpu": p.index, "mode": p.mode.value,
+                          "destroy": [vars(i) for i in p.destroy], "create": [vars(i) for i in p.create],
+                          "target": [vars(i) for i in p.target]} for p in plan.gpus],
+            }, indent=2))
+        elif args.action == "plan":
+            print(plan.describe())
+        else:
+            print(f"layout {layout.name!r} is applied" if plan.noop else
+                  f"layout {layout.name!r} is not applied; to do:\n{plan.describe()}")
+        return 0 if args.action == "plan" or plan.noop else EXIT_ERROR
+    finally:
+        backend.shutdown()
+
+
+COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "simulate": cmd_simulate, "mig": cmd_mig}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

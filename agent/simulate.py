@@ -182,7 +182,8 @@ async def simulate(
         try:
             await agent.start()
             await _settle(agent, kubelet, node, 0)
-            count = len(agent.devices()["nvidia.com/gpu"])
+            assert agent.bus is not None
+            count = len(agent.bus.current.inventory.gpus)
             for gpu, _ in inject_xids:
                 if gpu >= count:
                     raise SimulationError(f"--inject-xid: GPU {gpu} does not exist (the node has {count} GPUs)")

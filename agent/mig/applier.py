@@ -1,0 +1,137 @@
+"""Applies a MIG layout through NVML: plan from what the hardware reports, change only what differs, verify.
+
+Crash safety comes from two facts. Every apply plans from the hardware as it is now, so running it again after
+an interruption finishes the job (a GPU instance left without its compute instance is completed, one left
+half-created is kept or destroyed like any other). And a journal file records the layout while an apply is in
+progress, so an agent that starts after a crash knows which layout to finish even without a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from agent.mig.layout import MigLayout
+from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
+from agent.nvml.backend import MigGpuState, MigOps, MigResetRequired
+
+JOURNAL = "mig-journal.json"
+
+Outcome = Literal["success", "failed", "rebooting"]
+Step = Callable[[str], None]
+"""Called with a description before each change to the hardware (progress logs)."""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    layout: str
+    outcome: Outcome
+    reason: str
+    plan: NodePlan | None = None
+
+
+class Journal:
+    """The layout being applied, kept in a file until the apply ends either way."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / JOURNAL
+
+    def begin(self, layout: str, origin: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"layout": layout, "layouts_file": origin, "started": time.time()}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".mig-journal-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def pending(self) -> str | None:
+        """The layout an interrupted apply was applying, if any."""
+        try:
+            value = json.loads(self.path.read_text()).get("layout")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) else None
+
+    def end(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def read_node(ops: MigOps, gpus: int) -> list[MigGpuState]:
+    return [ops.state(i) for i in range(gpus)]
+
+
+def planning_view(states: list[MigGpuState]) -> list[GpuMigState]:
+    return [
+        GpuMigState(s.index, s.name, s.pci_device_id, s.profiles, s.mig_enabled,
+                    tuple(MigInstance(i.profile, i.start, i.size) for i in s.instances))
+        for s in states
+    ]
+
+
+def plan_layout(ops: MigOps, gpus: int, layout: MigLayout) -> NodePlan:
+    """The plan for the node as it is now; PlanError when any selected GPU cannot take the layout."""
+    return plan_node(layout, planning_view(read_node(ops, gpus)))
+
+
+def _apply_gpu(ops: MigOps, plan: GpuPlan, step: Step) -> None:
+    for instance in plan.destroy:
+        step(f"GPU {plan.index}: destroy {instance}")
+        ops.destroy(plan.index, instance.start)
+    if plan.mode is not ModeChange.NONE:
+        step(f"GPU {plan.index}: {plan.mode.value} MIG")
+        ops.set_mode(plan.index, plan.mode is ModeChange.ENABLE)
+    for instance in plan.create:
+        step(f"GPU {plan.index}: create {instance}")
+        ops.create(plan.index, instance.profile, instance.start)
+    if plan.mode is not ModeChange.DISABLE:
+        ops.ensure_compute_instances(plan.index)
+
+
+def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | None = None,
+                 step: Step = lambda _: None) -> ApplyResult:
+    """Plan, apply and verify one layout. Runs on the NVML thread; every path ends in a result."""
+    try:
+        plan = plan_layout(ops, gpus, layout)
+    except PlanError as err:
+        return ApplyResult(layout.name, "failed", f"layout {layout.name!r} cannot be applied: {err}")
+    orphans = [s.index for s in read_node(ops, gpus) if any(i.compute_instances == 0 for i in s.instances)]
+    if plan.noop and not orphans:
+        if journal:
+            journal.end()
+        return ApplyResult(layout.name, "success", f"layout {layout.name!r} is already applied", plan)
+    if journal:
+        journal.begin(layout.name, layout.origin)
+    waiting: list[str] = []
+    for gpu_plan in plan.gpus:
+        if gpu_plan.noop and gpu_plan.index not in orphans:
+            continue
+        try:
+            _apply_gpu(ops, gpu_plan, step)
+        except MigResetRequired as err:
+            waiting.append(str(err))
+    if waiting:
+        if journal:
+            journal.end()
+        return ApplyResult(layout.name, "rebooting", "; ".join(waiting) + "; reboot the node or reset the GPUs",
+                           plan)
+    try:
+        after = plan_layout(ops, gpus, layout)
+    except PlanError as err:
+        return ApplyResult(layout.name, "failed", f"layout {layout.name!r} did not verify: {err}", plan)
+    if not after.noop:
+        return ApplyResult(layout.name, "failed",
+                           f"layout {layout.name!r} did not verify; still to do: {after.describe()}", plan)
+    if journal:
+        journal.end()
+    return ApplyResult(layout.name, "success", f"layout {layout.name!r} applied: {len(plan.actions())} change(s)",
+                       plan)
