@@ -159,11 +159,25 @@ class HealthSettings(_Strict):
         return self.xid.get(xid, self.xid_default)
 
 
+class MigSettings(_Strict):
+    layouts_file: Path | None = Field(default=None, alias="layoutsFile")
+    """MIG layouts in the mig-parted v1 format; None uses the layouts shipped with the agent."""
+    state_dir: Path = Field(default=Path("/var/lib/gpu-node-agent"), alias="stateDir")
+    """Where the apply journal lives; must survive agent restarts."""
+    pod_resources_socket: Path = Field(
+        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"), alias="podResourcesSocket"
+    )
+    busy_policy: Literal["fail", "wait"] = Field(default="fail", alias="busyPolicy")
+    """When pods hold devices of a GPU to change: fail at once naming them, or wait for them to end."""
+    busy_wait_seconds: float = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
+
+
 class AgentConfig(_Strict):
     version: Literal["v1"]
     flags: Flags = Flags()
     sharing: Sharing = Sharing()
     health: HealthSettings = HealthSettings()
+    mig: MigSettings = MigSettings()
 
 
 DEFAULT_CONFIG = AgentConfig(version="v1")

@@ -21,6 +21,7 @@ from agent.inventory import Device, PlanCache, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
 from agent.labels import node_labels, owned
 from agent.metrics import HttpEndpoint, Metrics
+from agent.mig.controller import MigController
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
 from agent.topology.prefer import Preferences
@@ -88,6 +89,7 @@ class Agent:
         self.plugins: PluginSet | None = None
         self.reconciler: NodeReconciler | None = None
         self.monitor: HealthMonitor | None = None
+        self.mig: MigController | None = None
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
@@ -143,6 +145,8 @@ class Agent:
         self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
+        self.mig = MigController(self.backend, bus, self.nvml)
+        self._spawn("mig", self.mig.run)
         if opts.config_path is not None:
             self._spawn("config-reload", self._follow_config)
         if opts.kube is not None:

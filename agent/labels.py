@@ -117,7 +117,7 @@ OWNED_NVIDIA_KEYS = frozenset(
         "cuda.driver-version.revision", "cuda.runtime-version.full", "cuda.runtime-version.major",
         "cuda.runtime-version.minor", "gpu.count", "gpu.product", "gpu.memory", "gpu.family",
         "gpu.compute.major", "gpu.compute.minor", "gpu.replicas", "gpu.sharing-strategy", "mig.capable",
-        "mig.strategy",
+        "mig.strategy", "mig.config.state",
     )
 )
 

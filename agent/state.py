@@ -38,6 +38,15 @@ MAX_INCIDENTS = 64
 
 
 @dataclass(frozen=True)
+class MigStatus:
+    """Where the requested MIG layout stands: pending, success, failed or rebooting, and why."""
+
+    layout: str
+    state: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class NodeState:
     """One version of what the agent knows; consumers compare versions, never mutate."""
 
@@ -51,6 +60,9 @@ class NodeState:
     """GPU UUIDs whose devices are withdrawn while their MIG layout changes."""
     incidents: tuple[Incident, ...] = ()
     """The newest incidents, oldest first, at most MAX_INCIDENTS."""
+    mig_request: str | None = None
+    """The MIG layout the Node's nvidia.com/mig.config label asks for; None when it has none."""
+    mig_status: MigStatus | None = None
 
     def gpu_health(self, uuid: str) -> DeviceHealth:
         return self.health.get(uuid, HEALTHY)

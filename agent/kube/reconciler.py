@@ -25,8 +25,18 @@ EVENT_REASONS = {
     "config-rejected": "ConfigRejected",
     "config-applied": "ConfigApplied",
     "resources-withheld": "ResourcesWithheld",
+    "mig-success": "MigConfigApplied",
+    "mig-failed": "MigConfigFailed",
+    "mig-rebooting": "MigConfigRebooting",
 }
-NORMAL_INCIDENTS = frozenset({"recovered", "config-applied"})
+NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mig-success"})
+MIG_CONFIG_LABEL = "nvidia.com/mig.config"
+MIG_STATE_LABEL = "nvidia.com/mig.config.state"
+MIG_REASON_ANNOTATION = "nvidia.com/mig.config.state.reason"
+
+
+def owned_annotation(key: str) -> bool:
+    return key == MIG_REASON_ANNOTATION or key.startswith("gpu-node-agent.io/")
 
 
 class NodeClient(Protocol):
@@ -49,6 +59,7 @@ class NodeIntent:
     labels: dict[str, str]
     taint: dict[str, str] | None
     condition: Condition
+    annotations: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,13 @@ def node_intent(state: NodeState, labels: dict[str, str], taint: TaintPolicy) ->
     else:
         condition = Condition(CONDITION_TYPE, "True", "GPUsHealthy", f"all {total} GPUs healthy")
     own_taint = {"key": taint.key, "value": "true", "effect": taint.effect} if fault is not None else None
-    return NodeIntent(labels, own_taint, condition)
+    annotations = {}
+    if state.mig_status is not None:
+        labels = {**labels, MIG_STATE_LABEL: state.mig_status.state}
+        if state.mig_status.reason:
+            # An annotation value has no length limit worth worrying about here; keep it readable.
+            annotations[MIG_REASON_ANNOTATION] = state.mig_status.reason[:4096]
+    return NodeIntent(labels, own_taint, condition, annotations)
 
 
 def label_diff(
@@ -120,9 +137,10 @@ class NodeReconciler:
             state = self._bus.current
             want = self._intent(state)
             patch = label_diff(self._node.labels, want.labels, self._owned)
-            if patch:
-                log.info("patching node labels: %s", patch)
-                self._node = await self._api.patch_metadata(patch, {})
+            notes = label_diff(self._node.annotations, want.annotations, owned_annotation)
+            if patch or notes:
+                log.info("patching node labels %s and annotations %s", patch, notes)
+                self._node = await self._api.patch_metadata(patch, notes)
             await self._converge_taint(want)
             have = self._node.conditions.get(CONDITION_TYPE)
             if have is None or (have.status, have.reason, have.message) != (
@@ -168,14 +186,21 @@ class NodeReconciler:
             self.converged.clear()
             await _retrying(self.converge)
 
+    async def _seen(self, view: NodeView) -> None:
+        """Take a new view of the Node: feed its MIG request into the state, then converge."""
+        self._node = view
+        request = view.labels.get(MIG_CONFIG_LABEL) or None
+        if request != self._bus.current.mig_request:
+            await self._bus.update(mig_request=request)
+        await self.converge()
+
     async def _follow_node(self) -> None:
         """List, converge, then watch and converge on each change; returns when the watch ends."""
-        self._node = await self._api.get()
-        await self.converge()
+        await self._seen(await self._api.get())
+        assert self._node is not None
         try:
             async for view in self._api.watch(self._node.resource_version):
-                self._node = view
-                await self.converge()
+                await self._seen(view)
         except Exception as err:
             if not is_expired(err):
                 raise

@@ -42,6 +42,11 @@ MAX_MIG_DEVICES = 7
 # first later production branch is taken as the one that can.
 PROFILES_WITHOUT_MIG_FROM_DRIVER = 550
 
+CRASH_AFTER_ENV = "GPU_AGENT_FAKE_CRASH_AFTER"
+"""Test hook: the fake ends the process after this many state-changing calls (see :class:`FakeNvml`)."""
+CRASH_EXIT_CODE = 137
+"""The exit status of a process the crash hook ends: that of a process killed by SIGKILL."""
+
 _EVENT_LOG_LIMIT = 256
 _CROSS_PROCESS_POLL_S = 0.05
 
@@ -254,6 +259,15 @@ def _gi_id_for(placement: Placement) -> int:
     return first + placement.start // placement.size
 
 
+def _crash_after_from_env() -> int | None:
+    text = os.environ.get(CRASH_AFTER_ENV)
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{CRASH_AFTER_ENV} must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _api(*, mutates: bool = False) -> Callable[
     [Callable[Concatenate[FakeNvml, P], R]], Callable[Concatenate[FakeNvml, P], R]
 ]:
@@ -275,7 +289,8 @@ def _api(*, mutates: bool = False) -> Callable[
                 with self._exclusive():
                     result = fn(self, *args, **kwargs)
                     self._persist()
-                    return result
+                self._count_change()
+                return result
 
         API_FUNCTIONS.add(name)
         return call
@@ -308,6 +323,11 @@ class FakeNvml:
     pynvml. Handles are ctypes pointers of pynvml's handle types whose addresses encode what they name;
     they are never dereferenced. With a state file, every mutation is written atomically and every call
     first re-reads the file if another process changed it, so several processes see one driver.
+
+    Test hook: with ``GPU_AGENT_FAKE_CRASH_AFTER=N`` in the environment when the fake is built, the process
+    ends with ``os._exit(137)`` right after the N-th successful state-changing pynvml call (MIG mode, GPU or
+    compute instance create/destroy) has been persisted and its cross-process lock released: a stand-in for
+    a SIGKILL between two driver calls, for crash tests. Fault-injection methods do not count.
     """
 
     def __init__(self, spec: NodeSpec, state_file: Path | None = None) -> None:
@@ -316,6 +336,8 @@ class FakeNvml:
         self._lock = threading.RLock()
         self._events_ready = threading.Condition(self._lock)
         self._refcount = 0
+        self._crash_after = _crash_after_from_env()
+        self._changes = 0
         self._failures: dict[str, deque[int]] = {}
         self._event_sets: dict[int, _EventSet] = {}
         self._next_event_set = 1
@@ -401,6 +423,11 @@ class FakeNvml:
             yield
         finally:
             os.close(fd)
+
+    def _count_change(self) -> None:
+        self._changes += 1
+        if self._crash_after is not None and self._changes >= self._crash_after:
+            os._exit(CRASH_EXIT_CODE)
 
     def _take_injected_failure(self, name: str) -> None:
         codes = self._failures.get(name)

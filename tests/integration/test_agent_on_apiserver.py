@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import datetime
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 from apiserver import NODE, OTHER_NODE, REPO, ApiServer
 from kubernetes import client as k8s
 from kubernetes import utils
+from kubernetes import watch as k8s_watch
 
 from agent.config import AgentConfig, parse_config
 from agent.daemon import Agent, AgentOptions
@@ -265,3 +267,53 @@ def test_agent_identity_is_refused_what_it_must_not_do(
     patched = core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/probe": "1"}}})
     assert patched.metadata.labels["gpu-node-agent.io/probe"] == "1"
     core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/probe": None}}})
+
+
+async def test_mig_label_protocol_on_a_real_node(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api, tmp_path: Path
+) -> None:
+    config = parse_config(yaml.safe_dump({
+        "version": "v1", "flags": {"migStrategy": "mixed"},
+        "mig": {"stateDir": str(tmp_path / "state"), "podResourcesSocket": str(tmp_path / "none.sock")},
+    }))
+    states: list[str] = []
+
+    def record_states(stop: threading.Event) -> None:
+        w = k8s_watch.Watch()
+        for event in w.stream(admin_core.list_node, field_selector=f"metadata.name={NODE}", timeout_seconds=60):
+            state = (event["object"].metadata.labels or {}).get("nvidia.com/mig.config.state")
+            if state and (not states or states[-1] != state):
+                states.append(state)
+            if stop.is_set():
+                w.stop()
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=record_states, args=(stop,), daemon=True)
+    watcher.start()
+    try:
+        async with agent_on_node(agent_kubeconfig, config) as (agent, _):
+            admin_core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/mig.config": "all-1g.10gb"}}})
+            node = await eventually(
+                lambda: (n := admin_core.read_node(NODE)).metadata.labels.get("nvidia.com/mig.config.state")
+                == "success" and n, timeout=60, what="success")
+            assert node.metadata.annotations["nvidia.com/mig.config.state.reason"] == (
+                "layout 'all-1g.10gb' applied: 64 change(s)")
+            assert node.metadata.labels["nvidia.com/mig-1g.10gb.count"] == "56"
+            assert agent.devices() and len(agent.devices()["nvidia.com/mig-1g.10gb"]) == 56
+
+            admin_core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/mig.config": "no-such-layout"}}})
+            node = await eventually(
+                lambda: (n := admin_core.read_node(NODE)).metadata.labels.get("nvidia.com/mig.config.state")
+                == "failed" and n, timeout=60, what="failed")
+            assert node.metadata.annotations["nvidia.com/mig.config.state.reason"].startswith(
+                "built-in default-layouts.yaml: no layout named 'no-such-layout' (known: ")
+            events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
+            reasons = [e.reason for e in events.items]
+            assert "MigConfigApplied" in reasons and "MigConfigFailed" in reasons
+        await eventually(lambda: states[-1:] == ["failed"], what="the watch to see failed")
+        assert states == ["pending", "success", "pending", "failed"]
+    finally:
+        stop.set()
+        admin_core.patch_node(NODE, {"metadata": {
+            "labels": {"nvidia.com/mig.config": None, "nvidia.com/mig.config.state": None},
+            "annotations": {"nvidia.com/mig.config.state.reason": None}}})

@@ -1,0 +1,125 @@
+"""The MIG controller: applies the layout the Node asks for, withdrawing the affected GPUs while it works.
+
+It follows `mig_request` in NodeState (fed from the Node's nvidia.com/mig.config label) and publishes
+`mig_status`: pending first, then success, failed or rebooting with the reason. Every path ends in one of
+those; nothing stays pending while the agent runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
+from agent.mig.layout import LayoutError, MigLayout, load_layouts
+from agent.mig.planner import NodePlan, PlanError
+from agent.nvml.backend import MigOps, NvmlBackend
+from agent.podresources import PodResourcesUnavailable, holders
+from agent.state import MigStatus, NodeState, StateBus
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+
+BUSY_POLL_S = 2.0
+
+
+class MigController:
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any]) -> None:
+        self._backend = backend
+        self._ops = MigOps(backend)
+        self._bus = bus
+        self._nvml = nvml
+
+    async def _finish(self, result: ApplyResult, draining: frozenset[str] = frozenset()) -> None:
+        inventory = await self._nvml(self._backend.inventory)
+        kind = {"success": "mig-success", "failed": "mig-failed", "rebooting": "mig-rebooting"}[result.outcome]
+        log.log(logging.INFO if result.outcome == "success" else logging.ERROR, "MIG layout %s: %s: %s",
+                result.layout, result.outcome, result.reason)
+        await self._bus.record(
+            [("", kind, f"MIG layout {result.layout}: {result.outcome}: {result.reason}")],
+            inventory=inventory,
+            draining=self._bus.current.draining - draining,
+            mig_status=MigStatus(result.layout, result.outcome, result.reason),
+        )
+
+    def _layout(self, state: NodeState, name: str) -> MigLayout:
+        return load_layouts(state.config.mig.layouts_file).layout(name)
+
+    async def _wait_for_pods(self, state: NodeState, plan: NodePlan) -> str | None:
+        """None once no pod holds a device of the GPUs to change; otherwise why the apply must not go on."""
+        settings = state.config.mig
+        changing = {p.index for p in plan.gpus if not p.noop}
+        gpus = [g for g in state.inventory.gpus if g.index in changing]
+        ids = {g.uuid for g in gpus} | {m.uuid for m in state.inventory.mig_devices if m.parent_index in changing}
+        if not settings.pod_resources_socket.exists():
+            log.warning("no kubelet PodResources socket at %s: not checking for pods on the GPUs",
+                        settings.pod_resources_socket)
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (settings.busy_wait_seconds if settings.busy_policy == "wait" else 0)
+        while True:
+            try:
+                busy = await holders(settings.pod_resources_socket, ids)
+            except PodResourcesUnavailable as err:
+                return f"cannot check which pods use the GPUs: {err}"
+            if not busy:
+                return None
+            if loop.time() >= deadline:
+                waited = f" after waiting {settings.busy_wait_seconds:g}s" if settings.busy_policy == "wait" else ""
+                return f"GPUs {sorted(changing)} are in use{waited} by " + ", ".join(str(h) for h in busy)
+            await asyncio.sleep(BUSY_POLL_S)
+
+    async def apply(self, name: str) -> MigStatus:
+        state = self._bus.current
+        log.info("MIG layout %s requested", name)
+        await self._bus.update(mig_status=MigStatus(name, "pending"))
+        gpus = len(state.inventory.gpus)
+        try:
+            layout = self._layout(state, name)
+            plan = await self._nvml(lambda: plan_layout(self._ops, gpus, layout))
+        except (LayoutError, OSError, PlanError) as err:
+            reason = str(err).replace("\n", "; ")
+            await self._finish(ApplyResult(name, "failed", reason))
+            return self._status()
+        changing = frozenset(g.uuid for g in state.inventory.gpus
+                             if any(p.index == g.index and not p.noop for p in plan.gpus))
+        if changing:
+            # Withdraw the GPUs' devices first: the kubelet stops placing pods on them.
+            await self._bus.update(draining=self._bus.current.draining | changing)
+            why = await self._wait_for_pods(self._bus.current, plan)
+            if why is not None:
+                await self._finish(ApplyResult(name, "failed", why), changing)
+                return self._status()
+        journal = Journal(state.config.mig.state_dir)
+        try:
+            result = await self._nvml(lambda: apply_layout(self._ops, gpus, layout, journal, step=log.info))
+        except Exception as err:  # an NVML error mid-apply: report it; the next apply converges from there
+            log.exception("MIG apply of %s failed", name)
+            result = ApplyResult(name, "failed", f"NVML error during apply: {err}")
+        await self._finish(result, changing)
+        return self._status()
+
+    def _status(self) -> MigStatus:
+        status = self._bus.current.mig_status
+        assert status is not None
+        return status
+
+    async def run(self) -> None:
+        """Apply each new request; at start, finish an apply a crash interrupted when no request names one."""
+        state = self._bus.current
+        handled: str | None = None
+        interrupted = Journal(state.config.mig.state_dir).pending()
+        if interrupted is not None and state.mig_request is None:
+            log.warning("finishing the interrupted MIG apply of %s", interrupted)
+            await self.apply(interrupted)
+        while True:
+            state = self._bus.current
+            if state.mig_request is not None and state.mig_request != handled:
+                handled = state.mig_request
+                await self.apply(handled)
+                continue
+            await self._bus.wait_newer(state.version)

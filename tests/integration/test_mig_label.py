@@ -1,0 +1,161 @@
+"""The MIG label protocol end to end on the fake NVML: label -> pending -> success/failed, devices withdrawn and
+re-advertised live, pods holding devices respected."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import yaml
+
+from agent.config import parse_config
+from agent.daemon import Agent, AgentOptions
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.podresources_v1 import api_pb2 as pr
+from agent.podresources_v1 import api_pb2_grpc as pr_grpc
+from agent.simulate import InMemoryNode, StandInKubelet
+from tests.plugin_harness import short_dir, wait_until
+
+STATE = "nvidia.com/mig.config.state"
+REASON = "nvidia.com/mig.config.state.reason"
+
+
+class RecordingNode(InMemoryNode):
+    """An in-memory Node that remembers every value its MIG state label took."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.states: list[str] = []
+
+    def _next(self, **changes: object) -> object:
+        view = super()._next(**changes)
+        state = self.view.labels.get(STATE)
+        if state and (not self.states or self.states[-1] != state):
+            self.states.append(state)
+        return view
+
+
+class PodResources(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, holding: dict[str, list[str]]) -> None:
+        self.holding = holding
+
+    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
+                   ) -> pr.ListPodResourcesResponse:
+        return pr.ListPodResourcesResponse(pod_resources=[
+            pr.PodResources(name=pod, namespace="ml", containers=[pr.ContainerResources(
+                name="train", devices=[pr.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)])])
+            for pod, ids in self.holding.items()
+        ])
+
+
+@contextlib.asynccontextmanager
+async def mig_node(**mig: object) -> AsyncIterator[tuple[Agent, RecordingNode, FakeNvml, StandInKubelet, Path]]:
+    directory = short_dir()
+    settings = {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock", **mig}
+    config = parse_config(yaml.safe_dump({"version": "v1", "flags": {"migStrategy": "mixed"}, "mig": settings}))
+    fake = FakeNvml(load_node("dgx-h100"))
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    node = RecordingNode("gpu-node-1")
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
+                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
+    try:
+        await agent.start()
+        await kubelet.wait_for({"nvidia.com/gpu"}, 10)
+        yield agent, node, fake, kubelet, directory
+    finally:
+        await agent.stop()
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def counts(kubelet: StandInKubelet) -> dict[str, int]:
+    return {r: len(v.devices) for r, v in kubelet.plugins.items() if v.devices}
+
+
+async def test_label_applies_the_layout_and_readvertises_live() -> None:
+    async with mig_node() as (_, node, _, kubelet, directory):
+        await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+        await wait_until(lambda: node.view.labels.get(STATE) == "success", timeout=30, what="success")
+        assert node.states == ["pending", "success"]
+        assert node.view.annotations[REASON] == "layout 'all-1g.10gb' applied: 64 change(s)"
+        await wait_until(lambda: counts(kubelet) == {"nvidia.com/mig-1g.10gb": 56}, what="56 MIG devices")
+        assert node.view.labels["nvidia.com/mig-1g.10gb.count"] == "56"
+        assert ("Normal", "MigConfigApplied",
+                "MIG layout all-1g.10gb: success: layout 'all-1g.10gb' applied: 64 change(s)") in node.events
+        assert not (directory / "state" / "mig-journal.json").exists()
+
+        await node.patch_metadata({"nvidia.com/mig.config": "all-disabled"}, {})
+        await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, timeout=30, what="whole GPUs again")
+        assert node.states == ["pending", "success", "pending", "success"]
+
+
+async def test_unknown_layout_fails_naming_the_layout_and_the_file() -> None:
+    async with mig_node() as (_, node, _, kubelet, _):
+        await node.patch_metadata({"nvidia.com/mig.config": "all-9g.99gb"}, {})
+        await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
+        assert node.view.annotations[REASON].startswith(
+            "built-in default-layouts.yaml: no layout named 'all-9g.99gb' (known: all-disabled, all-enabled,"
+        )
+        assert counts(kubelet) == {"nvidia.com/gpu": 8}
+        assert node.events[-1][:2] == ("Warning", "MigConfigFailed")
+
+
+async def test_impossible_layout_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    layouts = tmp_path / "layouts.yaml"
+    layouts.write_text("version: v1\nmig-configs:\n  too-big:\n    - devices: all\n      mig-enabled: true\n"
+                       "      mig-devices: {4g.40gb: 1, 2g.20gb: 2}\n")
+    async with mig_node(layoutsFile=str(layouts)) as (agent, node, _, kubelet, _):
+        await node.patch_metadata({"nvidia.com/mig.config": "too-big"}, {})
+        await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
+        assert node.view.annotations[REASON].startswith(
+            "GPU 0: 4g.40gb + 2 x 2g.20gb do not fit together: 4g.40gb must use slices 0-3;"
+        )
+        inventory = agent.bus.current.inventory  # type: ignore[union-attr]
+        assert not any(g.mig_enabled for g in inventory.gpus)
+        assert counts(kubelet) == {"nvidia.com/gpu": 8}
+
+
+async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
+    async with mig_node() as (agent, node, _, kubelet, directory):
+        uuid = agent.bus.current.inventory.gpus[2].uuid  # type: ignore[union-attr]
+        server = grpc.aio.server()
+        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources({"trainer-0": [uuid]}), server)
+        server.add_insecure_port(f"unix://{directory}/pr.sock")
+        await server.start()
+        try:
+            await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+            await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
+            assert node.view.annotations[REASON] == (
+                f"GPUs [0, 1, 2, 3, 4, 5, 6, 7] are in use by ml/trainer-0 (train, nvidia.com/gpu {uuid})"
+            )
+            await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
+            assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)  # type: ignore[union-attr]
+        finally:
+            await server.stop(None)
+
+
+async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
+    async with mig_node() as (_agent, node, _, kubelet, _directory):
+        seen: list[tuple[str | None, dict[str, int]]] = []
+
+        async def watch() -> None:
+            while True:
+                async with kubelet.changed:
+                    await kubelet.changed.wait()
+                    seen.append((node.view.labels.get(STATE), counts(kubelet)))
+
+        watcher = asyncio.create_task(watch())
+        await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+        await wait_until(lambda: counts(kubelet) == {"nvidia.com/mig-1g.10gb": 56}, timeout=30, what="MIG devices")
+        watcher.cancel()
+        # The kubelet saw the whole GPUs go (an empty list) while the layout was pending, before any MIG device.
+        assert seen[0] == ("pending", {})
+        assert seen[-1] == ("success", {"nvidia.com/mig-1g.10gb": 56})
+        assert kubelet.plugins["nvidia.com/gpu"].devices == []
