@@ -271,22 +271,6 @@ def test_policy_expressions_are_well_formed() -> None:
 # --- configuration ----------------------------------------------------------------------------------------
 
 
-def test_agent_config_is_minimal_and_accepted_by_the_agent() -> None:
-    data = one("ConfigMap", "gpu-node-agent-config")["data"]
-    assert list(data) == ["config.yaml"]
-    assert yaml.safe_load(data["config.yaml"]) == {"version": "v1"}
-    assert parse_config(data["config.yaml"]).version == "v1"
-
-
-def test_mig_layouts_placeholder_names_only_the_default() -> None:
-    data = one("ConfigMap", "gpu-node-agent-mig-layouts")["data"]
-    assert list(data) == ["mig-layouts.yaml"]
-    assert yaml.safe_load(data["mig-layouts.yaml"]) == {
-        "version": "v1",
-        "mig-configs": {"all-disabled": [{"devices": "all", "mig-enabled": False}]},
-    }
-
-
 # --- the DaemonSet ------------------------------------------------------------------------------------------
 
 
@@ -448,3 +432,19 @@ def test_lock_pins_every_requirement_of_pyproject_with_hashes(lock: str, table: 
         assert requirement.specifier.contains(pins[name][0], prereleases=True), (
             f"{lock} pins {name}=={pins[name][0]}, outside {requirement.specifier}"
         )
+
+
+def test_config_map_holds_a_valid_config_and_the_shipped_layouts() -> None:
+    from agent.mig.layout import default_layouts_text, parse_layouts
+
+    data = one("ConfigMap", "gpu-node-agent-config")["data"]
+    assert list(data) == ["config.yaml"]
+    assert yaml.safe_load(data["config.yaml"]) == {
+        "version": "v1", "mig": {"layoutsFile": "/etc/gpu-agent/mig-layouts.yaml"}
+    }
+    assert str(parse_config(data["config.yaml"]).mig.layouts_file) == "/etc/gpu-agent/mig-layouts.yaml"
+    layouts_data = one("ConfigMap", "gpu-node-agent-mig-layouts")["data"]
+    assert list(layouts_data) == ["mig-layouts.yaml"]
+    layouts = layouts_data["mig-layouts.yaml"]
+    assert layouts == default_layouts_text()
+    assert "all-1g.10gb" in parse_layouts(layouts, "configmap").names()
