@@ -173,3 +173,28 @@ async def test_waits_for_an_absent_kubelet() -> None:
         await rig.kubelet.start()
         await rig.kubelet.wait_for({"nvidia.com/gpu"}, 2.0)
         await wait_until(lambda: rig.agent.ready() == (True, "ok"), 1.0, "readiness")
+
+
+async def preferred(rig: object, available: list[str], size: int, must: list[str] | None = None) -> list[str]:
+    response = await rig.stub().GetPreferredAllocation(  # type: ignore[attr-defined]
+        api_pb2.PreferredAllocationRequest(container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+            available_deviceIDs=available, must_include_deviceIDs=must or [], allocation_size=size)])
+    )
+    return list(response.container_responses[0].deviceIDs)
+
+
+async def test_two_gpus_on_nvlink_bridged_pairs_get_a_bridge() -> None:
+    async with running_agent("a100-pcie-nvlink-pairs") as rig:
+        ids = [d.ID for d in rig.devices()]
+        assert await preferred(rig, ids, 2) == [ids[0], ids[1]]
+        # With GPU 0 taken, the other bridged pair beats GPU 1 with a GPU across the bridge.
+        assert await preferred(rig, ids[1:], 2) == [ids[2], ids[3]]
+        assert await preferred(rig, ids, 2, must=[ids[3]]) == [ids[2], ids[3]]
+
+
+async def test_four_gpus_on_dgx_h100_stay_on_one_numa_node() -> None:
+    async with running_agent("dgx-h100") as rig:
+        ids = [d.ID for d in rig.devices()]
+        assert await preferred(rig, ids, 4) == ids[:4]
+        assert await preferred(rig, [ids[i] for i in (0, 2, 4, 5, 6, 7)], 4) == ids[4:]
+        assert await preferred(rig, ids, 4, must=[ids[6]]) == ids[4:]
