@@ -132,25 +132,26 @@ class Agent:
             await self.http.start(opts.metrics_port, opts.metrics_host)
         state = await self._init_nvml()
         self.bus = bus = StateBus(state)
-        self.metrics.watch_state(bus, self.devices)
         for problem in self.plans(state).problems:
             log.warning("%s", problem)
         preferences = Preferences(lambda: bus.current)
         self.plugins = PluginSet(
-            lambda name: DevicePluginServicer(name, bus, self.plans, preferences),
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics),
             lambda: set(self.plans(bus.current).resources),
             opts.kubelet_dir,
             bus,
+            self.metrics,
         )
         self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
-        self.mig = MigController(self.backend, bus, self.nvml)
+        self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
         self._spawn("mig", self.mig.run)
         if opts.config_path is not None:
             self._spawn("config-reload", self._follow_config)
         if opts.kube is not None:
-            self.reconciler = NodeReconciler(opts.kube, bus, _intent, owned)
+            self.reconciler = NodeReconciler(opts.kube, bus, _intent, owned, self.metrics.api_errors.inc)
             self._spawn("node-reconciler", self.reconciler.run)
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",

@@ -1,60 +1,111 @@
-"""Prometheus metrics over the newest NodeState, and the /healthz and /readyz endpoints."""
+"""Prometheus metrics over the newest NodeState and the health monitor's latest sample, and the /healthz and
+/readyz endpoints. A scrape reads snapshots; it never calls NVML."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from agent.inventory import Device
+from agent.nvml.backend import HealthReading
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)
 
+MIB = 1024 * 1024
+
+
+class Metrics:
+    """The agent's registry; components count their own events through these."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.task_restarts = Counter("gpu_agent_task_restarts", "Supervised tasks restarted after an error.",
+                                     ["task"], registry=r)
+        self.allocations = Counter("gpu_agent_allocations", "Devices handed out by Allocate.", ["resource"],
+                                   registry=r)
+        self.allocate_errors = Counter("gpu_agent_allocate_errors", "Allocate calls refused.", ["resource"],
+                                       registry=r)
+        self.registrations = Counter("gpu_agent_kubelet_registrations", "Registrations with the kubelet.",
+                                     ["resource"], registry=r)
+        self.api_errors = Counter("gpu_agent_api_errors", "Failed API server requests (retried).", registry=r)
+        self.mig_reconfigurations = Counter("gpu_agent_mig_reconfigurations", "MIG layouts applied, by outcome.",
+                                            ["outcome"], registry=r)
+        self.mig_seconds = Histogram("gpu_agent_mig_reconfiguration_seconds", "Time to apply a MIG layout.",
+                                     buckets=(1, 5, 15, 30, 60, 120, 300, 600), registry=r)
+
+    def watch(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]],
+              telemetry: Callable[[], Mapping[str, HealthReading]],
+              xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+        self.registry.register(StateCollector(bus, devices, telemetry, xids))
+
 
 class StateCollector(Collector):
-    """Reads the newest NodeState at scrape time; never calls NVML."""
+    """Node, GPU and resource figures, read at scrape time from snapshots."""
 
-    def __init__(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]]) -> None:
+    def __init__(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]],
+                 telemetry: Callable[[], Mapping[str, HealthReading]],
+                 xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self._bus = bus
         self._devices = devices
+        self._telemetry = telemetry
+        self._xids = xids
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[Metric]:
         return iter(())
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         state = self._bus.current
         version = GaugeMetricFamily("gpu_agent_state_version", "Version of the node state the agent serves.")
         version.add_metric([], state.version)
         yield version
-        gpus = GaugeMetricFamily("gpu_agent_gpus", "GPUs the agent sees through NVML.")
-        gpus.add_metric([], len(state.inventory.gpus))
-        yield gpus
-        devices = GaugeMetricFamily(
-            "gpu_agent_devices", "Devices advertised to the kubelet.", labels=["resource", "health"]
-        )
+        gpus = [(str(g.index), g.uuid) for g in state.inventory.gpus]
+        labels = ["gpu", "uuid"]
+        healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy, 0 when not.", labels=labels)
+        total = GaugeMetricFamily("gpu_agent_gpu_memory_total_bytes", "GPU memory.", labels=labels)
+        for (index, uuid), gpu in zip(gpus, state.inventory.gpus, strict=True):
+            healthy.add_metric([index, uuid], 1 if state.gpu_health(uuid).healthy else 0)
+            total.add_metric([index, uuid], gpu.memory_mib * MIB)
+        yield healthy
+        yield total
+        readings = self._telemetry()
+        sampled: dict[str, tuple[str, Callable[[HealthReading], float | None]]] = {
+            "gpu_agent_gpu_temperature_celsius": ("GPU temperature.", lambda r: r.temperature_c),
+            "gpu_agent_gpu_power_watts": ("GPU power draw.", lambda r: r.power_w),
+            "gpu_agent_gpu_memory_used_bytes": (
+                "GPU memory in use.", lambda r: None if r.memory_used_mib is None else r.memory_used_mib * MIB),
+        }
+        for name, (doc, read) in sampled.items():
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for index, uuid in gpus:
+                reading = readings.get(uuid)
+                value = None if reading is None else read(reading)
+                if value is not None:
+                    family.add_metric([index, uuid], value)
+            yield family
+        xid = CounterMetricFamily("gpu_agent_gpu_xid_errors", "XID events seen, by GPU and code.",
+                                  labels=["gpu", "uuid", "xid"])
+        index_of = {uuid: index for index, uuid in gpus}
+        for (uuid, code), count in sorted(self._xids().items()):
+            xid.add_metric([index_of.get(uuid, ""), uuid, str(code)], count)
+        yield xid
+        advertised = GaugeMetricFamily("gpu_agent_resource_devices", "Devices advertised to the kubelet.",
+                                       labels=["resource"])
+        allocatable = GaugeMetricFamily("gpu_agent_resource_allocatable", "Healthy devices advertised.",
+                                        labels=["resource"])
         for resource, items in sorted(self._devices().items()):
-            healthy = sum(d.healthy for d in items)
-            devices.add_metric([resource, "Healthy"], healthy)
-            devices.add_metric([resource, "Unhealthy"], len(items) - healthy)
-        yield devices
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.task_restarts = Counter(
-            "gpu_agent_task_restarts", "Supervised tasks restarted after an error.", ["task"],
-            registry=self.registry,
-        )
-
-    def watch_state(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]]) -> None:
-        self.registry.register(StateCollector(bus, devices))
+            advertised.add_metric([resource], len(items))
+            allocatable.add_metric([resource], sum(d.healthy for d in items))
+        yield advertised
+        yield allocatable
 
 
 class HttpEndpoint:
@@ -89,7 +140,8 @@ class HttpEndpoint:
         return 404, "text/plain", b"not found\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.IncompleteReadError,
+                                 asyncio.LimitOverrunError):
             line = await asyncio.wait_for(reader.readline(), 5)
             parts = line.decode(errors="replace").split()
             path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"

@@ -70,6 +70,7 @@ async def running_agent(
     kubelet_first: bool = True,
     config_path: Path | None = None,
     fake: FakeNvml | None = None,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Rig]:
     directory = short_dir()
     fake = fake or FakeNvml(load_node(node))
@@ -77,7 +78,8 @@ async def running_agent(
     kubelet = StandInKubelet(directory)
     if kubelet_first:
         await kubelet.start()
-    options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, config_path=config_path)
+    options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=metrics_port, metrics_host="127.0.0.1",
+                           config_path=config_path)
     agent = Agent(backend, options)
     rig = Rig(directory, fake, agent, kubelet)
     try:

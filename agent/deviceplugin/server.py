@@ -17,6 +17,7 @@ import grpc
 from agent.deviceplugin.dirwatch import DirWatch
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.metrics import Metrics
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,10 @@ class ResourcePlugin:
     a stream to an earlier socket never mistakes the new one for it.
     """
 
-    def __init__(self, servicer: DevicePluginServicer, kubelet_dir: Path, instance: str) -> None:
+    def __init__(
+        self, servicer: DevicePluginServicer, kubelet_dir: Path, instance: str, metrics: Metrics | None = None
+    ) -> None:
+        self.metrics = metrics
         self.servicer = servicer
         self.resource = servicer.resource
         self.kubelet_dir = kubelet_dir
@@ -119,6 +123,8 @@ class ResourcePlugin:
         await register(self.kubelet_dir, self._serving.socket.name, self.resource)
         self.registered_kubelet = kubelet_identity
         self.registrations += 1
+        if self.metrics:
+            self.metrics.registrations.labels(resource=self.resource).inc()
         log.info("registered %s with the kubelet (endpoint %s)", self.resource, self._serving.socket.name)
 
     async def stop(self, grace: float | None = None) -> None:
@@ -145,7 +151,9 @@ class PluginSet:
         wanted: Callable[[], set[str]],
         kubelet_dir: Path,
         bus: StateBus,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._instance = secrets.token_hex(4)
         self._make_servicer = make_servicer
         self._wanted = wanted
@@ -160,7 +168,8 @@ class PluginSet:
             log.info("resource %s is no longer advertised; stopping its server", name)
             await self.plugins.pop(name).stop(grace=0.5)
         for name in sorted(wanted - set(self.plugins)):
-            self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._instance)
+            self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._instance,
+                                                self._metrics)
 
     async def _wait(self, watch: DirWatch, timeout: float) -> None:
         """Until the socket directory changes, the resources may have changed, or `timeout` passes."""

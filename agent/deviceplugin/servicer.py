@@ -9,6 +9,7 @@ import grpc
 
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import Device, Resource, ResourcePlan
+from agent.metrics import Metrics
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,16 @@ def container_response(chosen: list[Device], strategies: tuple[str, ...]) -> api
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
 
-    def __init__(self, resource: str, bus: StateBus, plan_of: PlanOf, prefer_for: PreferFor | None = None) -> None:
+    def __init__(
+        self,
+        resource: str,
+        bus: StateBus,
+        plan_of: PlanOf,
+        prefer_for: PreferFor | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.resource = resource
+        self._metrics = metrics
         self._bus = bus
         self._plan_of = plan_of
         self._prefer_for = prefer_for or (lambda _: first_fit)
@@ -169,7 +178,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     )
                 chosen = lookup(self.resource, resource.devices, creq.devices_ids, need_healthy=True)
                 responses.append(container_response(chosen, state.config.flags.plugin.device_list_strategy))
+                if self._metrics:
+                    self._metrics.allocations.labels(resource=self.resource).inc(len(chosen))
         except RequestError as err:
+            if self._metrics:
+                self._metrics.allocate_errors.labels(resource=self.resource).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.AllocateResponse(container_responses=responses)
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import HealthReading, NvmlBackend
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ class HealthMonitor:
         self._clean: dict[str, int] = {}
         self._warned: dict[str, str] = {}
         self._pending: list[tuple[str, str, str]] = []
+        self.telemetry: dict[str, HealthReading] = {}
+        """The latest sample of every GPU, by UUID (replaced whole, read by metrics)."""
+        self.xid_counts: dict[tuple[str, int], int] = {}
+        """XID events seen, by (GPU UUID, XID)."""
         self.events_seen = 0
         """XID events taken from NVML so far (simulate waits on this)."""
 
@@ -78,8 +82,10 @@ class HealthMonitor:
         await self._bus.record(pending, health=health)
 
     async def sample(self) -> None:
+        telemetry = {}
         for gpu in self._bus.current.inventory.gpus:
             reading = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
+            telemetry[gpu.uuid] = reading
             verdict = classify_reading(reading, self._policy)
             if verdict.faulty:
                 self._fault(gpu.uuid, verdict)
@@ -89,9 +95,11 @@ class HealthMonitor:
                 else:
                     self._warned.pop(gpu.uuid, None)
                 self._clean_sample(gpu.uuid)
+        self.telemetry = telemetry
         await self._publish()
 
     async def on_xid(self, gpu_uuid: str, xid: int) -> None:
+        self.xid_counts[(gpu_uuid, xid)] = self.xid_counts.get((gpu_uuid, xid), 0) + 1
         verdict = classify_xid(xid, self._policy)
         if verdict.faulty:
             self._fault(gpu_uuid, verdict)

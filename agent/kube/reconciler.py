@@ -120,7 +120,9 @@ class NodeReconciler:
         bus: StateBus,
         intent: Callable[[NodeState], NodeIntent],
         owned: Callable[[str], bool],
+        on_error: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_error = on_error
         self._api = api
         self._bus = bus
         self._intent = intent
@@ -184,7 +186,7 @@ class NodeReconciler:
             state = await self._bus.wait_newer(version)
             version = state.version
             self.converged.clear()
-            await _retrying(self.converge)
+            await _retrying(self.converge, self._on_error)
 
     async def _seen(self, view: NodeView) -> None:
         """Take a new view of the Node: feed its MIG request into the state, then converge."""
@@ -209,12 +211,12 @@ class NodeReconciler:
     async def run(self) -> None:
         async def follow_node() -> None:
             while True:
-                await _retrying(self._follow_node)
+                await _retrying(self._follow_node, self._on_error)
 
         await asyncio.gather(follow_node(), self._follow_state())
 
 
-async def _retrying(step: Callable[[], object]) -> None:
+async def _retrying(step: Callable[[], object], on_error: Callable[[], None]) -> None:
     """Run one step until it succeeds, with exponential backoff and jitter between failures."""
     backoff = BACKOFF_MIN_S
     while True:
@@ -226,6 +228,7 @@ async def _retrying(step: Callable[[], object]) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as err:
+            on_error()
             delay = backoff * random.uniform(0.5, 1.5)
             log.warning("node update failed (%s); retrying in %.1fs", describe_error(err), delay)
             await asyncio.sleep(delay)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from agent.metrics import Metrics
 from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
@@ -28,7 +29,10 @@ BUSY_POLL_S = 2.0
 
 
 class MigController:
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any]) -> None:
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], metrics: Metrics | None = None
+                 ) -> None:
+        self._metrics = metrics
+        self._started = 0.0
         self._backend = backend
         self._ops = MigOps(backend)
         self._bus = bus
@@ -39,6 +43,9 @@ class MigController:
         kind = {"success": "mig-success", "failed": "mig-failed", "rebooting": "mig-rebooting"}[result.outcome]
         log.log(logging.INFO if result.outcome == "success" else logging.ERROR, "MIG layout %s: %s: %s",
                 result.layout, result.outcome, result.reason)
+        if self._metrics:
+            self._metrics.mig_reconfigurations.labels(outcome=result.outcome).inc()
+            self._metrics.mig_seconds.observe(asyncio.get_running_loop().time() - self._started)
         await self._bus.record(
             [("", kind, f"MIG layout {result.layout}: {result.outcome}: {result.reason}")],
             inventory=inventory,
@@ -76,6 +83,7 @@ class MigController:
     async def apply(self, name: str) -> MigStatus:
         state = self._bus.current
         log.info("MIG layout %s requested", name)
+        self._started = asyncio.get_running_loop().time()
         await self._bus.update(mig_status=MigStatus(name, "pending"))
         gpus = len(state.inventory.gpus)
         try:

@@ -109,6 +109,9 @@ class HealthReading:
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     clock_event_reasons: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    memory_used_mib: int | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,9 @@ class NvmlBackend:
             retired = probe(lambda: lib.nvmlDeviceGetRetiredPagesPendingStatus(h))
             remapped = probe(lambda: lib.nvmlDeviceGetRemappedRows(h))
             reasons = probe(lambda: lib.nvmlDeviceGetCurrentClocksEventReasons(h))
+            temperature = probe(lambda: lib.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU))
+            power_mw = probe(lambda: lib.nvmlDeviceGetPowerUsage(h))
+            memory = probe(lambda: lib.nvmlDeviceGetMemoryInfo(h))
         except pynvml.NVMLError_GpuIsLost:
             return HealthReading(uuid=uuid, lost=True)
         return HealthReading(
@@ -333,6 +339,9 @@ class NvmlBackend:
             remapped_rows_pending=None if remapped is None else bool(remapped[2]),
             remapped_rows_failure=None if remapped is None else bool(remapped[3]),
             clock_event_reasons=None if reasons is None else int(reasons),
+            temperature_c=None if temperature is None else int(temperature),
+            power_w=None if power_mw is None else int(power_mw) / 1000,
+            memory_used_mib=None if memory is None else int(memory.used) // (1024 * 1024),
         )
 
     # -- events ------------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Metrics, /healthz and /readyz as a Prometheus server and the kubelet's probes see them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.deviceplugin.v1beta1 import api_pb2
+from tests.plugin_harness import running_agent, wait_until
+
+
+async def get(port: int, path: str) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "uuid"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_metrics_reflect_health_xids_and_allocations() -> None:
+    async with running_agent("dgx-h100", metrics_port=0) as rig:
+        port = rig.agent.http.port  # type: ignore[union-attr]
+        ids = [d.ID for d in rig.devices()]
+        await rig.stub().Allocate(api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids[:2])]))
+        rig.fake.inject_xid(1, 48)
+        rig.fake.inject_xid(2, 13)
+        await wait_until(lambda: rig.devices()[1].health == "Unhealthy", what="GPU 1 unhealthy")
+        monitor = rig.agent.monitor
+        assert monitor is not None
+        await wait_until(lambda: len(monitor.xid_counts) == 2, what="both XIDs counted")
+
+        status, body = await get(port, "/metrics")
+        assert status == 200
+        values = samples(body)
+        assert [values[("gpu_agent_gpu_healthy", (("gpu", str(i)),))] for i in range(8)] == [1, 0, 1, 1, 1, 1, 1, 1]
+        assert values[("gpu_agent_gpu_xid_errors_total", (("gpu", "1"), ("xid", "48")))] == 1
+        assert values[("gpu_agent_gpu_xid_errors_total", (("gpu", "2"), ("xid", "13")))] == 1
+        assert values[("gpu_agent_allocations_total", (("resource", "nvidia.com/gpu"),))] == 2
+        assert values[("gpu_agent_resource_devices", (("resource", "nvidia.com/gpu"),))] == 8
+        assert values[("gpu_agent_resource_allocatable", (("resource", "nvidia.com/gpu"),))] == 7
+        assert values[("gpu_agent_kubelet_registrations_total", (("resource", "nvidia.com/gpu"),))] == 1
+        assert values[("gpu_agent_gpu_memory_total_bytes", (("gpu", "0"),))] == 81559 * 1024 * 1024
+        temperatures = [k for k in values if k[0] == "gpu_agent_gpu_temperature_celsius"]
+        assert len(temperatures) == 8
+
+        assert await get(port, "/healthz") == (200, "ok\n")
+        assert await get(port, "/readyz") == (200, "ok\n")
+        assert (await get(port, "/nope"))[0] == 404
+
+
+async def test_readyz_is_false_until_registered() -> None:
+    async with running_agent("single-h200", kubelet_first=False, metrics_port=0) as rig:
+        port = rig.agent.http.port  # type: ignore[union-attr]
+        assert await get(port, "/readyz") == (503, "not registered with the kubelet\n")
+        await rig.kubelet.start()
+        await rig.kubelet.wait_for({"nvidia.com/gpu"}, 5)
+        await wait_until(lambda: rig.agent.ready()[0], what="ready")
+        assert await get(port, "/readyz") == (200, "ok\n")
