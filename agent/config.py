@@ -221,12 +221,47 @@ def parse_config(text: str, origin: str = "config") -> AgentConfig:
         raise ConfigError(_format(err, origin)) from err
 
 
-def load_config(path: Path | None) -> AgentConfig:
-    """The config at `path`, or the defaults when no file is given."""
+def named_configs(directory: Path) -> dict[str, Path]:
+    """The configs of a directory (a mounted ConfigMap): every regular file not starting with '.', by its
+    name without a .yaml or .yml suffix."""
+    found = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        found[entry.name.removesuffix(".yaml").removesuffix(".yml")] = entry
+    return found
+
+
+def config_file(path: Path, name: str | None = None) -> Path:
+    """The file to read: `path` itself, or in a directory of named configs the one called `name` (from the
+    node label nvidia.com/device-plugin.config), else `default`, else the only one."""
+    if not path.is_dir():
+        if name is not None:
+            raise ConfigError(f"{path}: a config named {name!r} is asked for, but {path} is a single file")
+        return path
+    try:
+        configs = named_configs(path)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot list configs: {err.strerror}") from err
+    known = ", ".join(configs) or "none"
+    if name is not None:
+        if name not in configs:
+            raise ConfigError(f"{path}: no config named {name!r} (known: {known})")
+        return configs[name]
+    if "default" in configs:
+        return configs["default"]
+    if len(configs) == 1:
+        return next(iter(configs.values()))
+    raise ConfigError(f"{path}: no config named 'default' and no node label choosing one (known: {known})")
+
+
+def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
+    """The config at `path` (a file, or a directory of named configs), or the defaults when none is given."""
     if path is None:
         return DEFAULT_CONFIG
+    chosen = config_file(path, name)
     try:
-        text = path.read_text()
+        text = chosen.read_text()
     except OSError as err:
-        raise ConfigError(f"{path}: cannot read config: {err.strerror}") from err
-    return parse_config(text, str(path))
+        raise ConfigError(f"{chosen}: cannot read config: {err.strerror}") from err
+    return parse_config(text, str(chosen))

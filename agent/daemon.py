@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.config import AgentConfig, ConfigError, load_config
+from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
@@ -160,11 +160,13 @@ class Agent:
         )
 
     async def reload_config(self) -> bool:
-        """Load the config file again; a bad one is rejected with its reasons and the last good one keeps serving."""
+        """Load the config again (the file, or the named config the node label asks for); a bad one is
+        rejected with its reasons and the last good one keeps serving."""
         assert self.bus is not None and self.options.config_path is not None
         path = self.options.config_path
+        name = self.bus.current.config_request
         try:
-            new = load_config(path)
+            new = load_config(path, name)
             conflicts = sharing_conflicts(self.bus.current, new)
             if conflicts:
                 raise ConfigError("\n".join(f"{path}: {c}" for c in conflicts))
@@ -174,32 +176,43 @@ class Agent:
             return False
         if new == self.bus.current.config:
             return True
-        state = await self.bus.record([("", "config-applied", f"config reloaded from {path}")], config=new)
-        log.info("config reloaded from %s", path)
+        source = f"{path} ({name})" if name else str(path)
+        state = await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new)
+        log.info("config reloaded from %s", source)
         for problem in self.plans(state).problems:
             log.warning("%s", problem)
         return True
 
     async def _follow_config(self) -> None:
-        """Reload on SIGHUP, and when the file changes (a ConfigMap update swaps the mounted file)."""
-        assert self.options.config_path is not None
+        """Reload on SIGHUP, when the file changes (a ConfigMap update swaps the mounted file), and when the
+        node label names another config."""
+        assert self.options.config_path is not None and self.bus is not None
         path = self.options.config_path
+        bus = self.bus
 
-        def identity() -> tuple[int, int, int] | None:
+        def identity() -> tuple[object, ...] | None:
             try:
-                st = path.stat()
-            except OSError:
+                st = config_file(path, bus.current.config_request).stat()
+            except (OSError, ConfigError):
                 return None
             return (st.st_ino, st.st_mtime_ns, st.st_size)
 
         seen = identity()
+        requested = bus.current.config_request
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.hangup.wait(), CONFIG_POLL_S)
+            version = bus.current.version
+            hangup = asyncio.ensure_future(self.hangup.wait())
+            newer = asyncio.ensure_future(bus.wait_newer(version))
+            try:
+                await asyncio.wait({hangup, newer}, timeout=CONFIG_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hangup.cancel()
+                newer.cancel()
             now = identity()
-            if self.hangup.is_set() or (now != seen and now is not None):
+            relabelled = bus.current.config_request != requested
+            if self.hangup.is_set() or relabelled or (now != seen and now is not None):
                 self.hangup.clear()
-                seen = now
+                seen, requested = now, bus.current.config_request
                 await self.reload_config()
 
     def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:

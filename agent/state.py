@@ -63,6 +63,8 @@ class NodeState:
     mig_request: str | None = None
     """The MIG layout the Node's nvidia.com/mig.config label asks for; None when it has none."""
     mig_status: MigStatus | None = None
+    config_request: str | None = None
+    """The named config the Node's nvidia.com/device-plugin.config label asks for; None when it has none."""
 
     def gpu_health(self, uuid: str) -> DeviceHealth:
         return self.health.get(uuid, HEALTHY)

@@ -31,6 +31,7 @@ EVENT_REASONS = {
 }
 NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mig-success"})
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
+CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
 MIG_REASON_ANNOTATION = "nvidia.com/mig.config.state.reason"
 
@@ -189,11 +190,15 @@ class NodeReconciler:
             await _retrying(self.converge, self._on_error)
 
     async def _seen(self, view: NodeView) -> None:
-        """Take a new view of the Node: feed its MIG request into the state, then converge."""
+        """Take a new view of the Node: feed its requests (MIG layout, named config) into the state, converge."""
         self._node = view
-        request = view.labels.get(MIG_CONFIG_LABEL) or None
-        if request != self._bus.current.mig_request:
-            await self._bus.update(mig_request=request)
+        requests = {
+            "mig_request": view.labels.get(MIG_CONFIG_LABEL) or None,
+            "config_request": view.labels.get(CONFIG_LABEL) or None,
+        }
+        state = self._bus.current
+        if (requests["mig_request"], requests["config_request"]) != (state.mig_request, state.config_request):
+            await self._bus.update(**requests)
         await self.converge()
 
     async def _follow_node(self) -> None:

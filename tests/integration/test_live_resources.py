@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
 import pytest
 
 from agent.config import load_config
+from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
-from tests.plugin_harness import carve_mig, running_agent, wait_until
+from agent.simulate import InMemoryNode, StandInKubelet
+from tests.plugin_harness import carve_mig, running_agent, short_dir, wait_until
 
 SHARED_HALF = """version: v1
 sharing:
@@ -112,3 +116,32 @@ async def test_mixed_strategy_over_grpc() -> None:
         assert [n.ID for n in device.topology.nodes] == [0]
         response = await rig.stub("nvidia.com/mig-3g.40gb").Allocate(allocate(device.ID))
         assert dict(response.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": device.ID}
+
+
+async def test_node_label_selects_a_named_config(tmp_path: Path) -> None:
+    (tmp_path / "default").write_text("version: v1\n")
+    (tmp_path / "sliced").write_text(SHARED_HALF.format(replicas=2))
+    directory = short_dir()
+    fake = FakeNvml(load_node("pcie-l40s-4"))
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    node = InMemoryNode("n1")
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node), AgentOptions(
+        config=load_config(tmp_path), kubelet_dir=directory, metrics_port=None, kube=node, config_path=tmp_path))
+    try:
+        await agent.start()
+        await kubelet.wait_for({"nvidia.com/gpu"}, 10)
+        await node.patch_metadata({"nvidia.com/device-plugin.config": "sliced"}, {})
+        await wait_until(lambda: "example.com/shared-gpu" in kubelet.plugins
+                         and len(kubelet.plugins["example.com/shared-gpu"].devices) == 8, what="the sliced config")
+        await node.patch_metadata({"nvidia.com/device-plugin.config": "missing"}, {})
+        await wait_until(lambda: node.events and node.events[-1][1] == "ConfigRejected", what="rejection")
+        assert node.events[-1] == (
+            "Warning", "ConfigRejected",
+            f"config reload rejected: {tmp_path}: no config named 'missing' (known: default, sliced)",
+        )
+        assert len(kubelet.plugins["example.com/shared-gpu"].devices) == 8
+    finally:
+        await agent.stop()
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -61,3 +61,23 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "nope.yaml")
     assert str(caught.value) == f"{tmp_path / 'nope.yaml'}: cannot read config: No such file or directory"
+
+
+def test_named_configs_in_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "default").write_text("version: v1\n")
+    (tmp_path / "shared.yaml").write_text("version: v1\nflags: {plugin: {deviceIDStrategy: index}}\n")
+    (tmp_path / "..data").mkdir()  # what a ConfigMap mount also holds
+    assert load_config(tmp_path) == DEFAULT_CONFIG
+    assert load_config(tmp_path, "shared").flags.plugin.device_id_strategy == "index"
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path, "other")
+    assert str(caught.value) == f"{tmp_path}: no config named 'other' (known: default, shared)"
+    (tmp_path / "default").unlink()
+    (tmp_path / "more").write_text("version: v1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path}: no config named 'default' and no node label choosing one (known: more, shared)"
+    )
+    (tmp_path / "more").unlink()
+    assert load_config(tmp_path).flags.plugin.device_id_strategy == "index"  # the only one
