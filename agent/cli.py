@@ -142,7 +142,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return await run_until_signal(Agent(backend, options))
 
-    return asyncio.run(main())
+    from agent.nvml.backend import NvmlUnavailable
+
+    try:
+        return asyncio.run(main())
+    except NvmlUnavailable as err:
+        hint = " (is the NVIDIA driver installed, and libnvidia-ml.so.1 injected into the container?)"
+        raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:
