@@ -174,11 +174,6 @@ def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
     return ResourcePlan(resources, tuple(problems))
 
 
-def resources(state: NodeState, config: AgentConfig | None = None) -> dict[str, tuple[Device, ...]]:
-    """The devices of every advertised resource."""
-    return {name: r.devices for name, r in plan(state, config).resources.items()}
-
-
 class PlanCache:
     """The plan of the newest state, computed once per state version for all consumers."""
 

@@ -64,20 +64,6 @@ def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, ne
     return list(found.values())
 
 
-def first_fit(
-    devices: tuple[Device, ...], available: Sequence[str], must_include: Sequence[str], size: int
-) -> list[str]:
-    """A deterministic preference: the must-include devices, then the rest by NUMA affinity and index."""
-    order = {d.id: (d.numa if d.numa is not None else 1 << 30, d.gpu_index) for d in devices}
-    chosen = list(dict.fromkeys(must_include))
-    numas = {order[i][0] for i in chosen}
-    rest = sorted(
-        (i for i in dict.fromkeys(available) if i not in chosen),
-        key=lambda i: (order[i][0] not in numas, order[i]),
-    )
-    return chosen + rest[: max(0, size - len(chosen))]
-
-
 def container_response(chosen: list[Device], strategies: tuple[str, ...]) -> api_pb2.ContainerAllocateResponse:
     """What the runtime needs for the chosen devices; replicas of one GPU collapse into that GPU."""
     visible = list(dict.fromkeys(d.visible for d in chosen))
@@ -97,14 +83,14 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         resource: str,
         bus: StateBus,
         plan_of: PlanOf,
-        prefer_for: PreferFor | None = None,
+        prefer_for: PreferFor,
         metrics: Metrics | None = None,
     ) -> None:
         self.resource = resource
         self._metrics = metrics
         self._bus = bus
         self._plan_of = plan_of
-        self._prefer_for = prefer_for or (lambda _: first_fit)
+        self._prefer_for = prefer_for
 
     def _resource(self, state: NodeState) -> Resource:
         return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
