@@ -269,7 +269,12 @@ def cmd_mig(args: argparse.Namespace) -> int:
         ops = MigOps(backend)
         gpus = len(backend.inventory().gpus)
         if args.action == "apply":
-            result = apply_layout(ops, gpus, layout, Journal(args.state_dir), step=lambda s: print(s, flush=True))
+            out = sys.stderr if args.json else sys.stdout
+            try:
+                result = apply_layout(ops, gpus, layout, Journal(args.state_dir),
+                                      step=lambda s: print(s, file=out, flush=True))
+            except OSError as err:
+                raise CliError(f"cannot keep the apply journal in {args.state_dir}: {err.strerror}") from err
             if args.json:
                 print(json.dumps({"layout": result.layout, "outcome": result.outcome, "reason": result.reason}))
             else:

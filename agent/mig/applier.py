@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import pynvml
+
 from agent.mig.layout import MigLayout
 from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
 from agent.nvml.backend import MigGpuState, MigOps, MigResetRequired
@@ -83,13 +85,18 @@ def plan_layout(ops: MigOps, gpus: int, layout: MigLayout) -> NodePlan:
     return plan_node(layout, planning_view(read_node(ops, gpus)))
 
 
-def _apply_gpu(ops: MigOps, plan: GpuPlan, step: Step) -> None:
+def _apply_gpu(ops: MigOps, plan: GpuPlan, pending: bool, step: Step) -> None:
     for instance in plan.destroy:
         step(f"GPU {plan.index}: destroy {instance}")
         ops.destroy(plan.index, instance.start)
     if plan.mode is not ModeChange.NONE:
         step(f"GPU {plan.index}: {plan.mode.value} MIG")
         ops.set_mode(plan.index, plan.mode is ModeChange.ENABLE)
+    elif pending:
+        # The mode is right now, but a change to the other mode waits for the next reset: cancel it.
+        current = ops.state(plan.index).mig_enabled
+        step(f"GPU {plan.index}: cancel the pending MIG {'disable' if current else 'enable'}")
+        ops.set_mode(plan.index, current)
     for instance in plan.create:
         step(f"GPU {plan.index}: create {instance}")
         ops.create(plan.index, instance.profile, instance.start)
@@ -104,26 +111,40 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
         plan = plan_layout(ops, gpus, layout)
     except PlanError as err:
         return ApplyResult(layout.name, "failed", f"layout {layout.name!r} cannot be applied: {err}")
-    orphans = [s.index for s in read_node(ops, gpus) if any(i.compute_instances == 0 for i in s.instances)]
-    if plan.noop and not orphans:
+    states = read_node(ops, gpus)
+    selected = {p.index for p in plan.gpus}
+    orphans = {s.index for s in states if s.index in selected and any(i.compute_instances == 0 for i in s.instances)}
+    pending = {s.index for s in states if s.index in selected and s.mig_pending}
+    if plan.noop and not orphans and not pending:
         if journal:
             journal.end()
         return ApplyResult(layout.name, "success", f"layout {layout.name!r} is already applied", plan)
     if journal:
         journal.begin(layout.name, layout.origin)
     waiting: list[str] = []
+    done: list[str] = []
+
+    def counted(description: str) -> None:
+        done.append(description)
+        step(description)
+
     for gpu_plan in plan.gpus:
-        if gpu_plan.noop and gpu_plan.index not in orphans:
+        if gpu_plan.noop and gpu_plan.index not in orphans | pending:
             continue
+        if gpu_plan.index in orphans:
+            counted(f"GPU {gpu_plan.index}: complete GPU instances left without a compute instance")
         try:
-            _apply_gpu(ops, gpu_plan, step)
+            _apply_gpu(ops, gpu_plan, gpu_plan.index in pending, counted)
         except MigResetRequired as err:
             waiting.append(str(err))
+        except pynvml.NVMLError as err:
+            # The journal stays: the next apply (or the next start) goes on from the hardware as it is now.
+            at = done[-1] if done else f"GPU {gpu_plan.index}"
+            return ApplyResult(layout.name, "failed", f"NVML error at '{at}': {err}", plan)
     if waiting:
-        if journal:
-            journal.end()
-        return ApplyResult(layout.name, "rebooting", "; ".join(waiting) + "; reboot the node or reset the GPUs",
-                           plan)
+        # The journal stays too: after the reset or reboot, starting the agent finishes the layout.
+        return ApplyResult(layout.name, "rebooting", "; ".join(waiting)
+                           + "; let the GPUs go idle and apply again, or reset the GPUs (reboot the node)", plan)
     try:
         after = plan_layout(ops, gpus, layout)
     except PlanError as err:
@@ -133,5 +154,4 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
                            f"layout {layout.name!r} did not verify; still to do: {after.describe()}", plan)
     if journal:
         journal.end()
-    return ApplyResult(layout.name, "success", f"layout {layout.name!r} applied: {len(plan.actions())} change(s)",
-                       plan)
+    return ApplyResult(layout.name, "success", f"layout {layout.name!r} applied: {len(done)} change(s)", plan)

@@ -540,7 +540,9 @@ class MigOps:
         self._refresh_handle(index)
         current, _ = self.lib.nvmlDeviceGetMigMode(self._handle(index))
         if current != mode:
-            raise MigResetRequired(f"GPU {index}: MIG {'enable' if enabled else 'disable'} waits for a GPU reset")
+            raise MigResetRequired(
+                f"GPU {index}: MIG {'enable' if enabled else 'disable'} is pending (the GPU is in use or needs a reset)"
+            )
 
     def create(self, index: int, profile_name: str, start: int) -> None:
         """Create a GPU instance of `profile_name` at `start`, with one compute instance spanning it."""

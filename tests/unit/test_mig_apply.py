@@ -1,0 +1,542 @@
+"""MIG apply through NVML on the fake driver: outcomes, what the hardware has afterwards, minimal changes,
+mode changes, NVML errors and the journal."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+from agent.mig.applier import JOURNAL, ApplyResult, Journal, apply_layout, plan_layout
+from agent.mig.layout import MigLayout, load_layouts, parse_layouts
+from agent.mig.planner import GpuMigState, MigInstance, ModeChange, NodePlan, PlanError, plan_node
+from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import NodeSpec, load_node
+
+MIG_PRESETS = ("dgx-h100", "dgx-a100", "hgx-h200", "a100-pcie-nvlink-pairs", "single-h200", "hgx-16-nvswitch")
+SHIPPED = load_layouts(None)
+RESET_HINT = "let the GPUs go idle and apply again, or reset the GPUs (reboot the node)"
+
+# Test layouts for dgx-h100 (H100 80GB): one that changes GPU 0 only, and ones that cannot fit.
+TEST_LAYOUTS = """\
+version: v1
+mig-configs:
+  gpu0-sevens:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+    - devices: [1, 2, 3, 4, 5, 6, 7]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+  no-fit:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"4g.40gb": 1, "2g.20gb": 2}
+  no-fit-on-gpu-3:
+    - devices: [3]
+      mig-enabled: true
+      mig-devices: {"4g.40gb": 1, "2g.20gb": 2}
+    - devices: [0, 1, 2, 4, 5, 6, 7]
+      mig-enabled: true
+      mig-devices: {"7g.80gb": 1}
+"""
+NO_FIT_REASON = ("4g.40gb + 2 x 2g.20gb do not fit together: 4g.40gb must use slices 0-3; "
+                 "2g.20gb can use slices 0-1, 2-3 or 4-5 (none of them can use slices 6, 7)")
+
+
+@pytest.fixture(scope="module")
+def test_layouts() -> dict[str, MigLayout]:
+    return dict(parse_layouts(TEST_LAYOUTS, "test-layouts.yaml").layouts)
+
+
+@dataclass
+class Node:
+    """A simulated node driven the way the agent drives a real one."""
+
+    fake: FakeNvml
+    backend: NvmlBackend
+    ops: MigOps
+
+    @property
+    def spec(self) -> NodeSpec:
+        return self.fake.spec
+
+    @property
+    def count(self) -> int:
+        return len(self.spec.gpus)
+
+    def apply(self, layout: MigLayout, journal: Journal | None = None,
+              steps: list[str] | None = None) -> ApplyResult:
+        record = steps.append if steps is not None else (lambda _: None)
+        return apply_layout(self.ops, self.count, layout, journal, step=record)
+
+
+def started(source: str, state_file: Path | None = None) -> Node:
+    fake = FakeNvml(load_node(source), state_file)
+    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend.init()
+    return Node(fake, backend, MigOps(backend))
+
+
+def instances(node: Node) -> dict[int, list[tuple[str, int, int]]]:
+    """Each GPU's GPU instances as the MIG devices show them, by start; asserts one compute instance each."""
+    inventory = node.backend.inventory()
+    per_gi = Counter((d.parent_index, d.gpu_instance_id) for d in inventory.mig_devices)
+    assert set(per_gi.values()) <= {1}, f"GPU instances with more than one compute instance: {per_gi}"
+    found: dict[int, list[tuple[str, int, int]]] = {g.index: [] for g in inventory.gpus}
+    for d in inventory.mig_devices:
+        found[d.parent_index].append((d.profile, d.placement_start, d.placement_size))
+    # MigOps sees GPU instances that have no compute instance, which MIG devices cannot show.
+    for index in found:
+        state = node.ops.state(index)
+        assert [i.compute_instances for i in state.instances] == [1] * len(state.instances), (index, state)
+        assert sorted(found[index]) == sorted((i.profile, i.start, i.size) for i in state.instances)
+    return {index: sorted(items, key=lambda i: i[1]) for index, items in found.items()}
+
+
+def modes(node: Node) -> list[tuple[bool, bool]]:
+    """(MIG enabled, mode change pending) per GPU."""
+    return [(s.mig_enabled, s.mig_pending) for s in map(node.ops.state, range(node.count))]
+
+
+def as_tuples(target: tuple[MigInstance, ...]) -> list[tuple[str, int, int]]:
+    return [(i.profile, i.start, i.size) for i in target]
+
+
+def fresh_view(spec: NodeSpec) -> list[GpuMigState]:
+    """The node as a fresh boot has it (MIG disabled everywhere), straight from the catalog."""
+    return [GpuMigState.of(g.index, g.model) for g in spec.gpus]
+
+
+def waits_for_reset(spec: NodeSpec, plan: NodePlan) -> list[int]:
+    """GPUs whose MIG mode change waits for a reset: Ampere ones (mig-profiles.md section 6)."""
+    ampere = {g.index for g in spec.gpus if g.model.architecture == pynvml.NVML_DEVICE_ARCH_AMPERE}
+    return [p.index for p in plan.gpus if p.mode is not ModeChange.NONE and p.index in ampere]
+
+
+def rebooting_reason(gpus: list[int], change: str = "enable") -> str:
+    pending = "is pending (the GPU is in use or needs a reset)"
+    return "; ".join(f"GPU {i}: MIG {change} {pending}" for i in gpus) + f"; {RESET_HINT}"
+
+
+def applied_reason(name: str, changes: int) -> str:
+    if changes == 0:
+        return f"layout {name!r} is already applied"
+    return f"layout {name!r} applied: {changes} change(s)"
+
+
+# --- every shipped layout on every MIG-capable preset ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SHIPPED.names())
+@pytest.mark.parametrize("preset", MIG_PRESETS)
+def test_shipped_layout_ends_as_planned(preset: str, name: str) -> None:
+    node = started(preset)
+    layout = SHIPPED.layout(name)
+    try:
+        predicted = plan_node(layout, fresh_view(node.spec))
+    except PlanError as err:
+        result = node.apply(layout)
+        assert (result.outcome, result.reason) == ("failed", f"layout {name!r} cannot be applied: {err}")
+        assert modes(node) == [(False, False)] * node.count
+        assert instances(node) == {i: [] for i in range(node.count)}
+        return
+
+    steps: list[str] = []
+    result = node.apply(layout, steps=steps)
+    waiting = waits_for_reset(node.spec, predicted)
+    if waiting:
+        assert (result.outcome, result.reason) == ("rebooting", rebooting_reason(waiting))
+        assert steps == [f"GPU {i}: enable MIG" for i in waiting]
+        assert [modes(node)[i] for i in waiting] == [(False, True)] * len(waiting)
+        for index in waiting:
+            node.fake.reset_gpu(index)
+        result = node.apply(layout)
+        creates = sum(len(p.create) for p in predicted.gpus)
+        assert (result.outcome, result.reason) == ("success", applied_reason(name, creates))
+    else:
+        assert (result.outcome, result.reason) == ("success", applied_reason(name, len(predicted.actions())))
+        assert steps == predicted.actions()
+
+    hardware = instances(node)
+    for gpu in node.spec.gpus:
+        entries = layout.matching(gpu.index, gpu.model.pci_device_id, gpu.model.nvml_name)
+        if not entries:
+            assert (gpu.index, modes(node)[gpu.index], hardware[gpu.index]) == (gpu.index, (False, False), [])
+            continue
+        (entry,) = entries
+        assert modes(node)[gpu.index] == (entry.mig_enabled, False)
+        assert Counter(profile for profile, _, _ in hardware[gpu.index]) == Counter(entry.requested)
+        (gpu_plan,) = [p for p in predicted.gpus if p.index == gpu.index]
+        assert hardware[gpu.index] == as_tuples(gpu_plan.target)
+
+    again: list[str] = []
+    second = node.apply(layout, steps=again)
+    assert (second.outcome, second.reason, again) == ("success", f"layout {name!r} is already applied", [])
+    assert instances(node) == hardware
+
+
+def test_balanced_on_dgx_h100_has_the_exact_instances() -> None:
+    node = started("dgx-h100")
+    result = node.apply(SHIPPED.layout("all-balanced"))
+    assert (result.outcome, result.reason) == ("success", "layout 'all-balanced' applied: 40 change(s)")
+    balanced = [("2g.20gb", 0, 2), ("1g.10gb", 2, 1), ("1g.10gb", 3, 1), ("3g.40gb", 4, 4)]
+    assert instances(node) == dict.fromkeys(range(8), balanced)
+    assert len(node.backend.inventory().mig_devices) == 32
+    assert len({d.uuid for d in node.backend.inventory().mig_devices}) == 32
+
+
+def test_a_profile_missing_on_the_model_fails_with_the_planner_reason() -> None:
+    node = started("dgx-h100")
+    result = node.apply(SHIPPED.layout("all-1g.5gb"))
+    known = "1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb"
+    line = f"profile 1g.5gb does not exist on H100 80GB HBM3 (known: {known})"
+    assert result == ApplyResult("all-1g.5gb", "failed", "layout 'all-1g.5gb' cannot be applied: "
+                                 + "\n".join(f"GPU {i}: {line}" for i in range(8)))
+
+
+# --- layouts that cannot be applied change nothing --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout_name", "reason"),
+    [
+        ("no-fit", "\n".join(f"GPU {i}: {NO_FIT_REASON}" for i in range(8))),
+        # One GPU that cannot take its entry stops the whole node: the others are not touched either.
+        ("no-fit-on-gpu-3", f"GPU 3: {NO_FIT_REASON}"),
+    ],
+)
+def test_impossible_layout_is_refused_and_changes_nothing(
+    tmp_path: Path, test_layouts: dict[str, MigLayout], layout_name: str, reason: str
+) -> None:
+    state_file = tmp_path / "nvml.json"
+    node = started("dgx-h100", state_file)
+    assert node.apply(SHIPPED.layout("all-balanced")).outcome == "success"
+    before = state_file.read_bytes()
+    steps: list[str] = []
+
+    result = node.apply(test_layouts[layout_name], Journal(tmp_path / "state"), steps)
+
+    assert result == ApplyResult(layout_name, "failed", f"layout {layout_name!r} cannot be applied: {reason}")
+    assert steps == []
+    assert state_file.read_bytes() == before
+    assert not (tmp_path / "state" / JOURNAL).exists()
+
+
+# --- minimal change ---------------------------------------------------------------------------------------
+
+
+def test_a_layout_that_changes_gpu_0_touches_only_gpu_0(test_layouts: dict[str, MigLayout]) -> None:
+    node = started("dgx-h100")
+    node.apply(SHIPPED.layout("all-balanced"))
+    before = instances(node)
+    steps: list[str] = []
+
+    result = node.apply(test_layouts["gpu0-sevens"], steps=steps)
+
+    assert (result.outcome, result.reason) == ("success", "layout 'gpu0-sevens' applied: 7 change(s)")
+    # The two 1g instances at slices 2 and 3 already sit where seven 1g instances go: they stay.
+    assert steps == [
+        "GPU 0: destroy 2g.20gb at slices 0-1",
+        "GPU 0: destroy 3g.40gb at slices 4-7",
+        "GPU 0: create 1g.10gb at slice 0",
+        "GPU 0: create 1g.10gb at slice 1",
+        "GPU 0: create 1g.10gb at slice 4",
+        "GPU 0: create 1g.10gb at slice 5",
+        "GPU 0: create 1g.10gb at slice 6",
+    ]
+    after = instances(node)
+    assert after[0] == [("1g.10gb", s, 1) for s in range(7)]
+    assert {i: after[i] for i in range(1, 8)} == {i: before[i] for i in range(1, 8)}
+
+
+def test_a_layout_that_selects_no_gpu_of_the_node_changes_nothing() -> None:
+    # all-1g.10gb names H100/A100 models only; an H200 node is left as it is.
+    node = started("hgx-h200")
+    result = node.apply(SHIPPED.layout("all-1g.10gb"))
+    assert (result.outcome, result.reason) == ("success", "layout 'all-1g.10gb' is already applied")
+    assert result.plan is not None and result.plan.untouched == tuple(range(8))
+    assert modes(node) == [(False, False)] * 8
+
+
+# --- MIG mode changes -------------------------------------------------------------------------------------
+
+
+def test_hopper_enables_mig_at_once() -> None:
+    node = started("single-h200")
+    steps: list[str] = []
+    result = node.apply(SHIPPED.layout("all-enabled"), steps=steps)
+    assert (result.outcome, result.reason, steps) == (
+        "success", "layout 'all-enabled' applied: 1 change(s)", ["GPU 0: enable MIG"])
+    assert modes(node) == [(True, False)]
+    assert instances(node) == {0: []}
+
+
+def test_disabling_mig_destroys_the_instances_first() -> None:
+    node = started("single-h200")
+    node.apply(SHIPPED.layout("all-balanced"))
+    steps: list[str] = []
+
+    result = node.apply(SHIPPED.layout("all-disabled"), steps=steps)
+
+    assert (result.outcome, result.reason) == ("success", "layout 'all-disabled' applied: 5 change(s)")
+    assert steps == [
+        "GPU 0: destroy 2g.35gb at slices 0-1",
+        "GPU 0: destroy 1g.18gb at slice 2",
+        "GPU 0: destroy 1g.18gb at slice 3",
+        "GPU 0: destroy 3g.71gb at slices 4-7",
+        "GPU 0: disable MIG",
+    ]
+    assert modes(node) == [(False, False)]
+    assert node.backend.inventory().mig_devices == ()
+
+
+def test_ampere_enable_waits_for_a_reset_gpu_by_gpu() -> None:
+    node = started("a100-pcie-nvlink-pairs")
+    layout = SHIPPED.layout("all-balanced")
+    steps: list[str] = []
+
+    result = node.apply(layout, steps=steps)
+
+    assert (result.outcome, result.reason) == (
+        "rebooting",
+        rebooting_reason([0, 1, 2, 3]),
+    )
+    assert steps == ["GPU 0: enable MIG", "GPU 1: enable MIG", "GPU 2: enable MIG", "GPU 3: enable MIG"]
+    assert modes(node) == [(False, True)] * 4
+
+    node.fake.reset_gpu(0)
+    node.fake.reset_gpu(1)
+    result = node.apply(layout)
+    assert (result.outcome, result.reason) == ("rebooting", rebooting_reason([2, 3]))
+    balanced = [("2g.20gb", 0, 2), ("1g.10gb", 2, 1), ("1g.10gb", 3, 1), ("3g.40gb", 4, 4)]
+    assert instances(node) == {0: balanced, 1: balanced, 2: [], 3: []}
+
+    node.fake.reset_gpu(2)
+    node.fake.reset_gpu(3)
+    result = node.apply(layout)
+    assert (result.outcome, result.reason) == ("success", "layout 'all-balanced' applied: 8 change(s)")
+    assert instances(node) == dict.fromkeys(range(4), balanced)
+
+
+def test_ampere_disable_destroys_then_waits_for_a_reset() -> None:
+    node = started("dgx-a100")
+    node.apply(SHIPPED.layout("all-balanced"))
+    for i in range(8):
+        node.fake.reset_gpu(i)
+    assert node.apply(SHIPPED.layout("all-balanced")).outcome == "success"
+    steps: list[str] = []
+
+    result = node.apply(SHIPPED.layout("all-disabled"), steps=steps)
+
+    assert (result.outcome, result.reason) == ("rebooting", rebooting_reason(list(range(8)), "disable"))
+    assert steps[:5] == [
+        "GPU 0: destroy 2g.10gb at slices 0-1",
+        "GPU 0: destroy 1g.5gb at slice 2",
+        "GPU 0: destroy 1g.5gb at slice 3",
+        "GPU 0: destroy 3g.20gb at slices 4-7",
+        "GPU 0: disable MIG",
+    ]
+    assert len(steps) == 40
+    assert modes(node) == [(True, True)] * 8
+    assert instances(node) == {i: [] for i in range(8)}
+
+    for i in range(8):
+        node.fake.reset_gpu(i)
+    result = node.apply(SHIPPED.layout("all-disabled"))
+    assert (result.outcome, result.reason) == ("success", "layout 'all-disabled' is already applied")
+    assert modes(node) == [(False, False)] * 8
+
+
+def test_a_layout_with_mig_on_cancels_a_pending_disable() -> None:
+    # An Ampere node told to disable MIG, then told to go back to a MIG layout before any reset, must not
+    # lose MIG at the next reboot: the pending disable has to be taken back.
+    node = started("a100-pcie-nvlink-pairs")
+    balanced = SHIPPED.layout("all-balanced")
+    node.apply(balanced)
+    for i in range(4):
+        node.fake.reset_gpu(i)
+    node.apply(balanced)
+    assert node.apply(SHIPPED.layout("all-disabled")).outcome == "rebooting"
+
+    result = node.apply(balanced)
+
+    assert result.outcome == "success"
+    assert modes(node) == [(True, False)] * 4
+    node.fake.reboot()
+    assert modes(node) == [(True, False)] * 4
+
+
+def test_a_busy_hopper_gpu_keeps_its_mode_until_it_is_idle() -> None:
+    node = started("single-h200")
+    node.fake.set_gpu_busy(0)
+    layout = SHIPPED.layout("all-balanced")
+    steps: list[str] = []
+
+    result = node.apply(layout, steps=steps)
+
+    assert (result.outcome, result.reason, steps) == ("rebooting", rebooting_reason([0]), ["GPU 0: enable MIG"])
+    assert modes(node) == [(False, True)]
+    assert instances(node) == {0: []}
+
+    # Once its clients are gone a Hopper GPU switches without a reset: applying again finishes the job.
+    node.fake.set_gpu_busy(0, False)
+    result = node.apply(layout)
+    assert (result.outcome, result.reason) == ("success", "layout 'all-balanced' applied: 5 change(s)")
+    assert instances(node) == {0: [("2g.35gb", 0, 2), ("1g.18gb", 2, 1), ("1g.18gb", 3, 1), ("3g.71gb", 4, 4)]}
+
+
+# --- NVML errors in the middle of an apply ----------------------------------------------------------------
+
+# (failing call, layout applied first or None for a fresh node, the step during which it fails)
+MID_APPLY_ERRORS = [
+    ("nvmlDeviceSetMigMode", None, "GPU 0: enable MIG"),
+    ("nvmlDeviceCreateGpuInstanceWithPlacement", None, "GPU 0: create 3g.40gb at slices 4-7"),
+    ("nvmlGpuInstanceCreateComputeInstance", None, "GPU 0: create 3g.40gb at slices 4-7"),
+    ("nvmlComputeInstanceDestroy", "all-1g.10gb", "GPU 0: destroy 1g.10gb at slice 0"),
+    ("nvmlGpuInstanceDestroy", "all-1g.10gb", "GPU 0: destroy 1g.10gb at slice 0"),
+]
+
+
+def _interrupted(node: Node, function: str, first: str | None, journal: Journal) -> tuple[ApplyResult | None, str]:
+    """all-balanced with ``function`` failing once; the result (None if apply raised) and the last step."""
+    if first is not None:
+        assert node.apply(SHIPPED.layout(first)).outcome == "success"
+    node.fake.fail_next(function, pynvml.NVML_ERROR_UNKNOWN)
+    steps: list[str] = []
+    try:
+        result: ApplyResult | None = node.apply(SHIPPED.layout("all-balanced"), journal, steps)
+    except pynvml.NVMLError:
+        result = None
+    return result, steps[-1]
+
+
+@pytest.mark.parametrize(("function", "first", "failing_step"), MID_APPLY_ERRORS)
+def test_an_nvml_error_mid_apply_ends_in_a_failed_result(
+    tmp_path: Path, function: str, first: str | None, failing_step: str
+) -> None:
+    node = started("dgx-h100")
+    result, last_step = _interrupted(node, function, first, Journal(tmp_path))
+    assert last_step == failing_step
+    # apply_layout promises that every path ends in a result; the reason names the step and the error.
+    assert result is not None, f"apply_layout raised instead of returning a failed result ({function})"
+    assert result.outcome == "failed"
+    assert failing_step in result.reason and "Unknown Error" in result.reason, result.reason
+    # The apply did not finish: the journal still names the layout for the next start.
+    assert Journal(tmp_path).pending() == "all-balanced"
+
+
+@pytest.mark.parametrize(("function", "first", "failing_step"), MID_APPLY_ERRORS)
+def test_applying_again_after_an_nvml_error_converges(
+    tmp_path: Path, function: str, first: str | None, failing_step: str
+) -> None:
+    node = started("dgx-h100")
+    journal = Journal(tmp_path)
+    _, last_step = _interrupted(node, function, first, journal)
+    assert last_step == failing_step
+    assert journal.pending() == "all-balanced"
+
+    result = node.apply(SHIPPED.layout("all-balanced"), journal)
+
+    assert result.outcome == "success"
+    balanced = [("2g.20gb", 0, 2), ("1g.10gb", 2, 1), ("1g.10gb", 3, 1), ("3g.40gb", 4, 4)]
+    assert instances(node) == dict.fromkeys(range(8), balanced)
+    assert journal.pending() is None
+
+
+def _destroy_compute_instance(fake: FakeNvml, gpu: int, start: int) -> None:
+    """Leave the GPU instance at ``start`` without its compute instance, as a crash between the two does."""
+    h = fake.nvmlDeviceGetHandleByIndex(gpu)
+    for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            profile = fake.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+        except pynvml.NVMLError:
+            continue
+        count = ctypes.c_uint(int(profile.instanceCount))
+        gis = (pynvml.c_nvmlGpuInstance_t * max(1, count.value))()
+        fake.nvmlDeviceGetGpuInstances(h, profile.id, gis, ctypes.byref(count))
+        for gi in gis[: count.value]:
+            if fake.nvmlGpuInstanceGetInfo(gi).placement.start != start:
+                continue
+            ci_profile = fake.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gi, _ci_index(int(profile.sliceCount)), pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            cis: Any = (pynvml.c_nvmlComputeInstance_t * 1)()
+            ci_count = ctypes.c_uint(1)
+            fake.nvmlGpuInstanceGetComputeInstances(gi, ci_profile.id, cis, ctypes.byref(ci_count))
+            fake.nvmlComputeInstanceDestroy(cis[0])
+            return
+    raise AssertionError(f"GPU {gpu} has no GPU instance at slice {start}")
+
+
+def _ci_index(slices: int) -> int:
+    return int(getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE"))
+
+
+def test_a_gpu_instance_left_without_compute_instance_is_completed() -> None:
+    node = started("single-h200")
+    layout = SHIPPED.layout("all-balanced")
+    node.apply(layout)
+    _destroy_compute_instance(node.fake, 0, 4)
+    assert [(i.start, i.compute_instances) for i in node.ops.state(0).instances] == [(0, 1), (2, 1), (3, 1), (4, 0)]
+    assert plan_layout(node.ops, 1, layout).noop
+
+    result = node.apply(layout)
+
+    assert result.outcome == "success"
+    assert instances(node) == {0: [("2g.35gb", 0, 2), ("1g.18gb", 2, 1), ("1g.18gb", 3, 1), ("3g.71gb", 4, 4)]}
+    assert node.apply(layout).reason == "layout 'all-balanced' is already applied"
+
+
+# --- the journal ------------------------------------------------------------------------------------------
+
+
+def test_journal_round_trip(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "state")
+    assert journal.pending() is None
+    journal.begin("all-balanced", "built-in default-layouts.yaml")
+    assert journal.pending() == "all-balanced"
+    record = json.loads((tmp_path / "state" / JOURNAL).read_text())
+    assert (record["layout"], record["layouts_file"]) == ("all-balanced", "built-in default-layouts.yaml")
+    assert Journal(tmp_path / "state").pending() == "all-balanced"  # what the next process reads
+    journal.end()
+    assert journal.pending() is None
+    assert list((tmp_path / "state").iterdir()) == []
+    journal.end()  # ending twice is harmless
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"layout": 3}', '{"other": "x"}'])
+def test_an_unreadable_journal_names_no_layout(tmp_path: Path, content: str) -> None:
+    (tmp_path / JOURNAL).write_text(content)
+    assert Journal(tmp_path).pending() is None
+
+
+def test_a_finished_apply_leaves_no_journal(tmp_path: Path) -> None:
+    node = started("dgx-h100")
+    journal = Journal(tmp_path)
+    assert node.apply(SHIPPED.layout("all-balanced"), journal).outcome == "success"
+    assert not (tmp_path / JOURNAL).exists()
+
+
+def test_a_stale_journal_is_cleared_when_the_layout_is_already_applied(tmp_path: Path) -> None:
+    node = started("dgx-h100")
+    node.apply(SHIPPED.layout("all-balanced"))
+    journal = Journal(tmp_path)
+    journal.begin("all-balanced", "built-in default-layouts.yaml")
+    result = node.apply(SHIPPED.layout("all-balanced"), journal)
+    assert result.reason == "layout 'all-balanced' is already applied"
+    assert journal.pending() is None
+
+
+def test_an_interrupted_apply_leaves_a_journal_naming_the_layout(tmp_path: Path) -> None:
+    node = started("dgx-h100")
+    journal = Journal(tmp_path)
+    _interrupted(node, "nvmlDeviceCreateGpuInstanceWithPlacement", None, journal)
+    record = json.loads((tmp_path / JOURNAL).read_text())
+    assert (record["layout"], record["layouts_file"]) == ("all-balanced", "built-in default-layouts.yaml")
