@@ -16,7 +16,7 @@ import grpc
 from agent.config import AgentConfig
 from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.kube.node import Condition, NodeView
+from agent.kube.view import Condition, Conflict, NodeView
 from agent.nvml.backend import NvmlBackend
 
 SETTLE_TIMEOUT_S = 20.0
@@ -136,7 +136,7 @@ class InMemoryNode:
 
     async def set_taints(self, taints: Sequence[Mapping[str, str]], resource_version: str) -> NodeView:
         if resource_version != self.view.resource_version:
-            raise RuntimeError("conflict")
+            raise Conflict(f"node is at {self.view.resource_version}, not {resource_version}")
         return self._next(taints=tuple(dict(t) for t in taints))
 
     async def set_condition(self, condition: Condition) -> NodeView:

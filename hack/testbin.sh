@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the pinned kube-apiserver and etcd that the integration tests run
-# against, from the Go module proxy, into .cache/testbin/.
+# against, and the kubectl they drive it with, from the Go module proxy, into
+# .cache/testbin/.
 #
 # The pins live in hack/testbin/{kube,etcd}/go.mod (with committed go.sum);
 # this script reads them from there. A binary whose stamp matches is not
@@ -29,11 +30,12 @@ if [[ -z $kube_version || -z $etcd_version ]]; then
 fi
 
 if [[ ${1:-} == --print-versions ]]; then
-    printf 'kube-apiserver %s\netcd %s\n' "$kube_version" "$etcd_version"
+    printf 'kube-apiserver %s\nkubectl %s\netcd %s\n' "$kube_version" "$kube_version" "$etcd_version"
     exit 0
 fi
 
 # v1.34.4 -> major 1, minor 34: what `kubectl version` and /version report.
+# kube-apiserver and kubectl take the same flags, so they share one build cache.
 kube_minor=${kube_version#v*.}
 kube_minor=${kube_minor%%.*}
 kube_major=${kube_version#v}
@@ -59,6 +61,20 @@ else
         k8s.io/kubernetes/cmd/kube-apiserver -ldflags "$kube_ldflags"
 fi
 
+# kubectl comes from the same wrapper module (hack/testbin/kube/tools.go lists
+# it, so go.sum covers it) at the same version as the server it talks to.
+t_stage=$(date +%s.%N)
+kubectl_stamp=$(stamp_for "kubectl $kube_version $kube_ldflags" \
+    "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+if is_current kubectl "$kubectl_stamp"; then
+    log "kubectl $kube_version: up to date"
+else
+    log "kubectl $kube_version: building (about a minute after kube-apiserver)"
+    go_build_into "$kube_mod" kubectl "$kubectl_stamp" \
+        k8s.io/kubernetes/cmd/kubectl -ldflags "$kube_ldflags"
+    log "kubectl $kube_version: stage took $(elapsed "$t_stage") s"
+fi
+
 etcd_stamp=$(stamp_for "etcd $etcd_version $etcd_ldflags" \
     "$etcd_mod/go.mod" "$etcd_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
 if is_current etcd "$etcd_stamp"; then
@@ -76,6 +92,13 @@ if [[ $got != "Kubernetes $kube_version" ]]; then
     rm -f "$testbin_dir/kube-apiserver.stamp"
     exit 1
 fi
+# --client: no server, and no kubeconfig of the caller's is read.
+got=$(KUBECONFIG=/dev/null "$testbin_dir/kubectl" version --client | sed -n 1p)
+if [[ $got != "Client Version: $kube_version" ]]; then
+    log "kubectl reports '$got', expected 'Client Version: $kube_version'"
+    rm -f "$testbin_dir/kubectl.stamp"
+    exit 1
+fi
 got=$("$testbin_dir/etcd" --version | sed -n 1p)  # sed reads to the end: no SIGPIPE under pipefail
 if [[ $got != "etcd Version: ${etcd_version#v}" ]]; then
     log "etcd reports '$got', expected 'etcd Version: ${etcd_version#v}'"
@@ -83,4 +106,4 @@ if [[ $got != "etcd Version: ${etcd_version#v}" ]]; then
     exit 1
 fi
 
-log "ready in $(elapsed "$t_all") s: $testbin_dir/{kube-apiserver,etcd}"
+log "ready in $(elapsed "$t_all") s: $testbin_dir/{kube-apiserver,kubectl,etcd}"

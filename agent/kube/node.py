@@ -2,44 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kubernetes.aio import client, config, watch
-from kubernetes.aio.client.exceptions import ApiException
+
+from agent.kube.view import Condition, NodeView
 
 log = logging.getLogger(__name__)
 
 WATCH_TIMEOUT_S = 300
 MERGE_PATCH = "application/merge-patch+json"
-
-
-class KubeError(RuntimeError):
-    """The API server refused or could not be reached; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Condition:
-    type: str
-    status: str
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class NodeView:
-    name: str
-    resource_version: str
-    uid: str = ""
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    taints: tuple[Mapping[str, str], ...] = ()
-    conditions: Mapping[str, Condition] = field(default_factory=dict)
 
 
 def _taint(taint: Any) -> dict[str, str]:
@@ -160,19 +136,3 @@ class NodeApi:
         )
         self.writes += 1
         await self._core.create_namespaced_event("default", body)
-
-
-def is_conflict(err: BaseException) -> bool:
-    return isinstance(err, ApiException) and err.status == 409
-
-
-def is_expired(err: BaseException) -> bool:
-    return isinstance(err, ApiException) and err.status == 410
-
-
-def describe_error(err: BaseException) -> str:
-    if isinstance(err, ApiException):
-        return f"API server answered {err.status} {err.reason}"
-    if isinstance(err, asyncio.TimeoutError):
-        return "API server timed out"
-    return f"{type(err).__name__}: {err}"

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.kube.node import Condition, NodeView, describe_error, is_conflict, is_expired
+from agent.kube.view import Condition, NodeView, describe_error, is_conflict, is_expired
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)

@@ -163,6 +163,11 @@ def foreign_taints(node: Any) -> list[dict[str, Any]]:
     return out
 
 
+def healthy(node: Any) -> str:
+    """The GPUHealthy condition's status, "" while there is none."""
+    return (condition(node) or ("",))[0]
+
+
 def condition(node: Any) -> tuple[str, str, str] | None:
     for c in node.status.conditions or []:
         if c.type == "GPUHealthy":
@@ -202,7 +207,9 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
 ) -> None:
     async with agent_on_node(agent_kubeconfig) as (agent, fake):
         fake.set_gpu_lost(3)
-        node = await eventually(lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and n, what="taint")
+        node = await eventually(
+            lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and healthy(n) == "False" and n,
+            what="taint and condition")
         assert agent_taints(node) == [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
         assert foreign_taints(node) == FOREIGN_TAINTS
         assert condition(node) == ("False", "NodeGPUFault", "GPU is lost (fallen off the bus)")
@@ -216,8 +223,9 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
             event_messages, what="fault event")
 
         fake.set_gpu_lost(3, False)
-        node = await eventually(lambda: (n := admin_core.read_node(NODE)) and not agent_taints(n) and n,
-                                what="taint removed")
+        node = await eventually(
+            lambda: (n := admin_core.read_node(NODE)) and not agent_taints(n) and healthy(n) == "True" and n,
+            what="taint removed and condition healthy")
         assert foreign_taints(node) == FOREIGN_TAINTS
         assert condition(node) == ("True", "GPUsHealthy", "all 8 GPUs healthy")
         assert f"Normal GPURecovered GPU {uuid}: recovered from GPU is lost (fallen off the bus)" in (
@@ -307,9 +315,12 @@ async def test_mig_label_protocol_on_a_real_node(
                 == "failed" and n, timeout=60, what="failed")
             assert node.metadata.annotations["nvidia.com/mig.config.state.reason"].startswith(
                 "built-in default-layouts.yaml: no layout named 'no-such-layout' (known: ")
-            events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
-            reasons = [e.reason for e in events.items]
-            assert "MigConfigApplied" in reasons and "MigConfigFailed" in reasons
+            def reasons() -> list[str]:
+                events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
+                return [e.reason for e in events.items]
+
+            await eventually(lambda: "MigConfigFailed" in reasons(), what="the failure event")
+            assert "MigConfigApplied" in reasons()
         await eventually(lambda: states[-1:] == ["failed"], what="the watch to see failed")
         assert states == ["pending", "success", "pending", "failed"]
     finally:

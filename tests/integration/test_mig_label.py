@@ -142,14 +142,18 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
 
 
 async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
-    async with mig_node() as (_agent, node, _, kubelet, _directory):
+    async with mig_node() as (agent, node, _, kubelet, _directory):
         seen: list[tuple[str | None, dict[str, int]]] = []
+
+        def status() -> str | None:
+            current = agent.bus.current.mig_status  # type: ignore[union-attr]
+            return current.state if current else None
 
         async def watch() -> None:
             while True:
                 async with kubelet.changed:
                     await kubelet.changed.wait()
-                    seen.append((node.view.labels.get(STATE), counts(kubelet)))
+                    seen.append((status(), counts(kubelet)))
 
         watcher = asyncio.create_task(watch())
         await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})

@@ -304,7 +304,7 @@ def test_container_runs_the_agent_for_its_own_node() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"] == {
         "name": "NODE_NAME",
-        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+        "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}},
     }
     assert {name: e.get("value") for name, e in env.items() if name != "NODE_NAME"} == {
         "NVIDIA_VISIBLE_DEVICES": "all",

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from agent.config import DEFAULT_CONFIG
-from agent.kube.node import Condition
 from agent.kube.reconciler import NodeReconciler, TaintPolicy, node_intent, taints_with
+from agent.kube.view import Condition
 from agent.labels import node_labels, owned
 from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory
 from agent.simulate import InMemoryNode

@@ -1,0 +1,272 @@
+"""The kustomize base in daemonset/ through the pinned kubectl, as a user applies it, against the real API server:
+it renders what the kustomization lists, the server accepts every object (the DaemonSet validated for real), and
+the agent's pod-bound token can do exactly what RBAC and the admission policy allow it, seen through kubectl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from apiserver import NODE, OTHER_NODE, REPO, SERVICE_ACCOUNT_ISSUER, TESTBIN, ApiServer
+
+KUBECTL = TESTBIN / "kubectl"
+BASE = REPO / "daemonset"
+NAMESPACE = "gpu-node-agent"
+ACCOUNT = "gpu-node-agent"
+# A pod of our own to bind the token to: test_agent_on_apiserver.py binds its token to another one.
+PROBE_POD = "gpu-node-agent-kubectl-probe"
+POLICY_DENIAL = (
+    "ValidatingAdmissionPolicy 'gpu-node-agent-own-node' with binding 'gpu-node-agent-own-node' denied request: "
+)
+
+# What `kubectl kustomize daemonset/` renders, in the order kustomize emits it (its legacy kind order, not the
+# order of `resources:`): (kind, namespace, name), namespace None for cluster-scoped objects.
+RENDERED = [
+    ("Namespace", None, "gpu-node-agent"),
+    ("ServiceAccount", NAMESPACE, "gpu-node-agent"),
+    ("ClusterRole", None, "gpu-node-agent"),
+    ("ClusterRoleBinding", None, "gpu-node-agent"),
+    ("ConfigMap", NAMESPACE, "gpu-node-agent-config"),
+    ("ConfigMap", NAMESPACE, "gpu-node-agent-mig-layouts"),
+    ("ValidatingAdmissionPolicy", None, "gpu-node-agent-own-node"),
+    ("ValidatingAdmissionPolicyBinding", None, "gpu-node-agent-own-node"),
+    ("DaemonSet", NAMESPACE, "gpu-node-agent"),
+]
+# The same objects as kubectl names them in apply output, in the same order.
+APPLIED = [
+    "namespace/gpu-node-agent",
+    "serviceaccount/gpu-node-agent",
+    "clusterrole.rbac.authorization.k8s.io/gpu-node-agent",
+    "clusterrolebinding.rbac.authorization.k8s.io/gpu-node-agent",
+    "configmap/gpu-node-agent-config",
+    "configmap/gpu-node-agent-mig-layouts",
+    "validatingadmissionpolicy.admissionregistration.k8s.io/gpu-node-agent-own-node",
+    "validatingadmissionpolicybinding.admissionregistration.k8s.io/gpu-node-agent-own-node",
+    "daemonset.apps/gpu-node-agent",
+]
+
+
+def kubectl(
+    *args: str, kubeconfig: Path | None = None, stdin: str | None = None, cache: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Runs the pinned kubectl; never reads the caller's kubeconfig or writes to ~/.kube."""
+    argv = [str(KUBECTL)]
+    if kubeconfig is not None:
+        argv.append(f"--kubeconfig={kubeconfig}")
+    if cache is not None:
+        argv.append(f"--cache-dir={cache}")
+    env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": "/dev/null", "HOME": str(cache or "/nonexistent")}
+    return subprocess.run([*argv, *args], input=stdin, capture_output=True, text=True, env=env, timeout=60)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, f"{result.args[1:]} failed ({result.returncode}): {result.stderr}"
+    return result.stdout
+
+
+class User:
+    """kubectl with one kubeconfig and a discovery cache of its own."""
+
+    def __init__(self, kubeconfig: Path, cache: Path) -> None:
+        self.kubeconfig, self.cache = kubeconfig, cache
+
+    def __call__(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return kubectl(*args, kubeconfig=self.kubeconfig, stdin=stdin, cache=self.cache)
+
+
+@pytest.fixture(scope="module")
+def admin(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> User:
+    return User(apiserver.kubeconfig_path, tmp_path_factory.mktemp("kubectl-admin"))
+
+
+def apply_base(admin: User) -> None:
+    """Server-side apply of the whole base: idempotent, whoever created the objects first (test_agent_on_apiserver.py
+    creates them with the Python client) and without --force-conflicts."""
+    result = admin("apply", "--server-side", "-k", str(BASE))
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.splitlines() == [f"{name} serverside-applied" for name in APPLIED]
+
+
+def bound_token_kubeconfig(apiserver: ApiServer, admin: User, path: Path) -> Path:
+    """A kubeconfig with a token of the agent's ServiceAccount bound to a pod on NODE, as the kubelet mounts it."""
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": PROBE_POD, "namespace": NAMESPACE},
+        "spec": {"nodeName": NODE, "serviceAccountName": ACCOUNT,
+                 "containers": [{"name": "agent", "image": "gpu-node-agent:test"}]},
+    }  # fmt: skip
+    ok(admin("apply", "--server-side", "-f", "-", stdin=json.dumps(pod)))
+    token = ok(admin(
+        "create", "token", ACCOUNT, "-n", NAMESPACE, "--bound-object-kind=Pod", f"--bound-object-name={PROBE_POD}",
+        f"--audience={SERVICE_ACCOUNT_ISSUER}", "--duration=1h",
+    )).strip()  # fmt: skip
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "rig",
+        "clusters": [{"name": "rig",
+                      "cluster": {"server": apiserver.url, "certificate-authority": str(apiserver.ca_path)}}],
+        "users": [{"name": "agent", "user": {"token": token}}],
+        "contexts": [{"name": "rig", "context": {"cluster": "rig", "user": "agent"}}],
+    }))  # fmt: skip
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def agent(apiserver: ApiServer, admin: User, tmp_path_factory: pytest.TempPathFactory) -> User:
+    """kubectl as the agent's pod-bound identity, once the base is applied and its admission policy is in force."""
+    apply_base(admin)
+    directory = tmp_path_factory.mktemp("kubectl-agent")
+    user = User(bound_token_kubeconfig(apiserver, admin, directory / "kubeconfig"), directory / "cache")
+    # A new policy takes effect a moment after it is created. Probe with a server-side dry run, which passes
+    # through admission but changes nothing if the policy is not enforced yet.
+    deadline = time.monotonic() + 30
+    while True:
+        probe = user("label", "node", OTHER_NODE, "gpu-node-agent.io/probe=1", "--dry-run=server")
+        if probe.returncode != 0 and POLICY_DENIAL in probe.stderr:
+            return user
+        assert time.monotonic() < deadline, f"the admission policy never took effect: {probe.stderr}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def node_restored(admin: User) -> Iterator[None]:
+    """Puts NODE's taints back as found and drops the labels these tests add, whatever happened."""
+    before = json.loads(ok(admin("get", "node", NODE, "-o", "json")))
+    try:
+        yield
+    finally:
+        labels = {k: None for k in ("gpu-node-agent.io/probe", "gpu-node-agent.io/m")}
+        labels["team"] = before["metadata"].get("labels", {}).get("team")  # None deletes it
+        patch = {"metadata": {"labels": labels}, "spec": {"taints": before["spec"].get("taints")}}
+        ok(admin("patch", "node", NODE, "--type=merge", "-p", json.dumps(patch)))
+
+
+def identity(doc: dict[str, Any]) -> tuple[str, str | None, str]:
+    return doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]
+
+
+@pytest.mark.testbin
+def test_kustomize_renders_exactly_the_listed_objects() -> None:
+    rendered = [d for d in yaml.safe_load_all(ok(kubectl("kustomize", str(BASE)))) if d]
+    assert [identity(d) for d in rendered] == RENDERED
+    # The base has no transformers: what it renders is what its resource files say, object for object.
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    sources = [d for name in kustomization["resources"] for d in yaml.safe_load_all((BASE / name).read_text()) if d]
+    assert sorted(map(identity, sources), key=str) == sorted(RENDERED, key=str)
+    canonical = [json.dumps(d, sort_keys=True) for d in rendered]
+    assert sorted(canonical) == sorted(json.dumps(d, sort_keys=True) for d in sources)
+
+
+def test_server_accepts_every_object_then_apply_is_idempotent(admin: User) -> None:
+    # A server dry run creates nothing, so on a cluster without the namespace every namespaced object fails
+    # with NotFound: apply the Namespace for real first (as `kubectl apply -k` itself would, in order).
+    ok(admin("apply", "--server-side", "-f", str(BASE / "namespace.yaml")))
+    dry = admin("apply", "--server-side", "--dry-run=server", "-k", str(BASE))
+    # No warnings either: the server found nothing deprecated or dubious in any object.
+    assert (dry.returncode, dry.stderr) == (0, ""), dry.stderr
+    assert dry.stdout.splitlines() == [f"{name} serverside-applied (server dry run)" for name in APPLIED]
+
+    apply_base(admin)
+    apply_base(admin)  # again: nothing to change, nothing contested
+    assert ok(admin("get", "-k", str(BASE), "-o", "name")).splitlines() == APPLIED
+    daemonset = json.loads(ok(admin("get", "daemonset", "-n", NAMESPACE, "gpu-node-agent", "-o", "json")))
+    assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == ACCOUNT
+
+
+def test_a_second_server_side_writer_gets_no_conflict(admin: User) -> None:
+    """Another field manager (a GitOps controller, a second operator) applying the same manifests co-owns every field.
+    A field the API marks atomic is compared whole against the stored, defaulted value, so a manifest that omits a
+    default inside one conflicts with whoever wrote it first."""
+    apply_base(admin)
+    second = admin("apply", "--server-side", "--dry-run=server", "--field-manager=second-writer", "-k", str(BASE))
+    assert (second.returncode, second.stderr) == (0, ""), second.stderr
+
+
+def test_agent_token_can_do_only_what_rbac_and_the_policy_allow(agent: User, node_restored: None) -> None:
+    def can_i(*args: str) -> tuple[int, str]:
+        result = agent("auth", "can-i", *args)
+        return result.returncode, result.stdout
+
+    assert can_i("patch", "nodes") == (0, "yes\n")
+    assert can_i("get", "secrets", "-n", "kube-system") == (1, "no\n")
+    assert can_i("create", "events") == (0, "yes\n")
+    assert can_i("delete", "nodes") == (1, "no\n")
+
+    labelled = agent("label", "node", NODE, "gpu-node-agent.io/probe=1", "--overwrite")
+    assert (labelled.returncode, labelled.stdout) == (0, f"node/{NODE} labeled\n"), labelled.stderr
+
+    other = agent("label", "node", OTHER_NODE, "gpu-node-agent.io/probe=1")
+    assert other.returncode != 0
+    assert "gpu-node-agent may change only its own Node gpu-node-1, not other-node" in other.stderr
+    assert other.stderr == (
+        f'Error from server (Forbidden): nodes "{OTHER_NODE}" is forbidden: {POLICY_DENIAL}'
+        f"gpu-node-agent may change only its own Node {NODE}, not {OTHER_NODE}\n"
+    )
+
+    # --overwrite: test_agent_on_apiserver.py leaves team=ml on the node, and without it kubectl refuses
+    # client-side, before the server is asked.
+    foreign = agent("label", "node", NODE, "team=x", "--overwrite")
+    assert foreign.returncode != 0
+    assert POLICY_DENIAL + "gpu-node-agent may change only labels under" in foreign.stderr
+
+    foreign_taint = agent("taint", "node", NODE, "example.com/x=y:NoSchedule")
+    assert foreign_taint.returncode != 0
+    assert foreign_taint.stderr == (
+        f'Error from server (Forbidden): nodes "{NODE}" is forbidden: {POLICY_DENIAL}'
+        "gpu-node-agent may add, change or remove only taints with keys under gpu-node-agent.io/\n"
+    )
+
+    tainted = agent("taint", "node", NODE, "gpu-node-agent.io/gpu-fault=true:NoSchedule")
+    assert (tainted.returncode, tainted.stdout) == (0, f"node/{NODE} tainted\n"), tainted.stderr
+    untainted = agent("taint", "node", NODE, "gpu-node-agent.io/gpu-fault-")
+    assert (untainted.returncode, untainted.stdout) == (0, f"node/{NODE} untainted\n"), untainted.stderr
+
+    node = json.loads(ok(agent("get", "node", NODE, "-o", "json")))
+    assert node["metadata"]["labels"]["gpu-node-agent.io/probe"] == "1"
+    assert node["metadata"]["labels"].get("team") != "x"
+    assert all(t["key"] not in ("example.com/x", "gpu-node-agent.io/gpu-fault") for t in node["spec"].get("taints", []))
+
+
+def test_patch_content_types_with_the_agent_token(agent: User, node_restored: None) -> None:
+    merged = agent("patch", "node", NODE, "--type=merge", "-p", '{"metadata":{"labels":{"gpu-node-agent.io/m":"1"}}}')
+    assert (merged.returncode, merged.stdout) == (0, f"node/{NODE} patched\n"), merged.stderr
+    version = ok(agent("get", "node", NODE, "-o", "jsonpath={.metadata.resourceVersion}"))
+
+    def json_patch(expected_version: str, value: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        ops = [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": expected_version},
+            {"op": "replace", "path": "/metadata/labels/gpu-node-agent.io~1m", "value": value},
+        ]
+        return agent("patch", "node", NODE, "--type=json", "-p", json.dumps(ops), *flags)
+
+    # A JSON patch whose test op fails is refused as 422 Invalid (not 409): the patch cannot be applied at all.
+    stale = json_patch("1", "2", "-v=6")
+    assert stale.returncode == 1
+    assert 'verb="PATCH"' in stale.stderr and 'status="422 Unprocessable Entity"' in stale.stderr, stale.stderr
+    assert stale.stderr.endswith(
+        "The request is invalid: the server rejected our request due to an error in our request\n"
+    ), stale.stderr
+
+    # A stale resourceVersion inside a merge patch is a precondition: 409 Conflict.
+    conflict = agent(
+        "patch", "node", NODE, "--type=merge", "-p",
+        '{"metadata":{"resourceVersion":"1","labels":{"gpu-node-agent.io/m":"3"}}}',
+    )  # fmt: skip
+    assert conflict.returncode == 1
+    assert conflict.stderr == (
+        f'Error from server (Conflict): Operation cannot be fulfilled on nodes "{NODE}": the object has been '
+        "modified; please apply your changes to the latest version and try again\n"
+    )
+    labels = json.loads(ok(agent("get", "node", NODE, "-o", "jsonpath={.metadata.labels}")))
+    assert labels["gpu-node-agent.io/m"] == "1"
+
+    # With the current resourceVersion the same JSON patch applies.
+    current = json_patch(version, "2")
+    assert (current.returncode, current.stdout) == (0, f"node/{NODE} patched\n"), current.stderr
+    labels = json.loads(ok(agent("get", "node", NODE, "-o", "jsonpath={.metadata.labels}")))
+    assert labels["gpu-node-agent.io/m"] == "2"
