@@ -10,6 +10,6 @@ stage() {
   echo "==> $name: $((SECONDS - t0))s"
 }
 stage "lint (ruff, mypy --strict)" make --no-print-directory lint
-if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd)" hack/testbin.sh; fi
+if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl)" hack/testbin.sh; fi
 if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-harness.sh; fi
 stage "pytest" .venv/bin/pytest -q
