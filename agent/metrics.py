@@ -80,6 +80,9 @@ class StateCollector(Collector):
         sampled: dict[str, tuple[str, Callable[[HealthReading], float | None]]] = {
             "gpu_agent_gpu_temperature_celsius": ("GPU temperature.", lambda r: r.temperature_c),
             "gpu_agent_gpu_power_watts": ("GPU power draw.", lambda r: r.power_w),
+            "gpu_agent_gpu_utilization_ratio": (
+                "Share of time the GPU was busy (not reported with MIG on).",
+                lambda r: None if r.utilization_pct is None else r.utilization_pct / 100),
             "gpu_agent_gpu_memory_used_bytes": (
                 "GPU memory in use.", lambda r: None if r.memory_used_mib is None else r.memory_used_mib * MIB),
         }

@@ -112,6 +112,7 @@ class HealthReading:
     temperature_c: int | None = None
     power_w: float | None = None
     memory_used_mib: int | None = None
+    utilization_pct: int | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,7 @@ class NvmlBackend:
             temperature = probe(lambda: lib.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU))
             power_mw = probe(lambda: lib.nvmlDeviceGetPowerUsage(h))
             memory = probe(lambda: lib.nvmlDeviceGetMemoryInfo(h))
+            utilization = probe(lambda: lib.nvmlDeviceGetUtilizationRates(h))
         except pynvml.NVMLError_GpuIsLost:
             return HealthReading(uuid=uuid, lost=True)
         return HealthReading(
@@ -342,6 +344,7 @@ class NvmlBackend:
             temperature_c=None if temperature is None else int(temperature),
             power_w=None if power_mw is None else int(power_mw) / 1000,
             memory_used_mib=None if memory is None else int(memory.used) // (1024 * 1024),
+            utilization_pct=None if utilization is None else int(utilization.gpu),
         )
 
     # -- events ------------------------------------------------------------------------------------

@@ -120,6 +120,8 @@ class _GpuState(_Record):
     clocks_event_reasons: int = pynvml.nvmlClocksEventReasonGpuIdle
     temperature_c: int = 34
     power_mw: int = 70_000
+    utilization_gpu: int = 0
+    utilization_memory: int = 0
 
     def gi(self, gi_id: int) -> _GpuInstance | None:
         return next((g for g in self.gpu_instances if g.id == gi_id), None)
@@ -1310,6 +1312,14 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         return self._gpu_state(self._device(handle).gpu).power_mw
 
+    @_api()
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        """Busy percentages over the last sample period; NotSupported with MIG on, as on real GPUs."""
+        state = self._gpu_state(self._device(handle).gpu)
+        if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.c_nvmlUtilization_t(state.utilization_gpu, state.utilization_memory)
+
     # ===============================================================================================
     # Fault injection and simulated operator actions (not pynvml functions; no nvmlInit needed)
     # ===============================================================================================
@@ -1388,6 +1398,12 @@ class FakeNvml:
     def set_power_usage(self, gpu_index: int, milliwatts: int) -> None:
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).power_mw = milliwatts
+
+    @_fault
+    def set_utilization(self, gpu_index: int, gpu_percent: int, memory_percent: int = 0) -> None:
+        self._check_gpu_index(gpu_index)
+        state = self._gpu_state(gpu_index)
+        state.utilization_gpu, state.utilization_memory = gpu_percent, memory_percent
 
     @_fault
     def set_gpu_busy(self, gpu_index: int, busy: bool = True) -> None:

@@ -6,6 +6,7 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.config import parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
 from tests.plugin_harness import running_agent, wait_until
 
@@ -28,12 +29,16 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+FAST_SAMPLES = parse_config("version: v1\nhealth: {sampleIntervalSeconds: 0.1, recoveryChecks: 1000}\n")
+
+
 async def test_metrics_reflect_health_xids_and_allocations() -> None:
-    async with running_agent("dgx-h100", metrics_port=0) as rig:
+    async with running_agent("dgx-h100", FAST_SAMPLES, metrics_port=0) as rig:
         port = rig.agent.http.port  # type: ignore[union-attr]
         ids = [d.ID for d in rig.devices()]
         await rig.stub().Allocate(api_pb2.AllocateRequest(
             container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids[:2])]))
+        rig.fake.set_utilization(5, 75)
         rig.fake.inject_xid(1, 48)
         rig.fake.inject_xid(2, 13)
         await wait_until(lambda: rig.devices()[1].health == "Unhealthy", what="GPU 1 unhealthy")
@@ -54,6 +59,10 @@ async def test_metrics_reflect_health_xids_and_allocations() -> None:
         assert values[("gpu_agent_gpu_memory_total_bytes", (("gpu", "0"),))] == 81559 * 1024 * 1024
         temperatures = [k for k in values if k[0] == "gpu_agent_gpu_temperature_celsius"]
         assert len(temperatures) == 8
+        await wait_until(lambda: monitor.telemetry[rig.agent.bus.current.inventory.gpus[5].uuid]  # type: ignore[union-attr]
+                         .utilization_pct == 75, what="a sample after the utilisation changed")
+        values = samples((await get(port, "/metrics"))[1])
+        assert values[("gpu_agent_gpu_utilization_ratio", (("gpu", "5"),))] == 0.75
 
         assert await get(port, "/healthz") == (200, "ok\n")
         assert await get(port, "/readyz") == (200, "ok\n")
