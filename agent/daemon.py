@@ -132,8 +132,6 @@ class Agent:
             await self.http.start(opts.metrics_port, opts.metrics_host)
         state = await self._init_nvml()
         self.bus = bus = StateBus(state)
-        for problem in self.plans(state).problems:
-            log.warning("%s", problem)
         preferences = Preferences(lambda: bus.current)
         self.plugins = PluginSet(
             lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics),
@@ -148,6 +146,7 @@ class Agent:
         self._spawn("health", monitor.run)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
         self._spawn("mig", self.mig.run)
+        self._spawn("withheld-resources", self._follow_problems)
         if opts.config_path is not None:
             self._spawn("config-reload", self._follow_config)
         if opts.kube is not None:
@@ -177,11 +176,25 @@ class Agent:
         if new == self.bus.current.config:
             return True
         source = f"{path} ({name})" if name else str(path)
-        state = await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new)
+        await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new)
         log.info("config reloaded from %s", source)
-        for problem in self.plans(state).problems:
-            log.warning("%s", problem)
         return True
+
+    async def _follow_problems(self) -> None:
+        """Say why devices are withheld (for example a node that does not fit migStrategy single) whenever that
+        changes: in the log and as an Event."""
+        assert self.bus is not None
+        reported: tuple[str, ...] = ()
+        state = self.bus.current
+        while True:
+            problems = self.plans(state).problems
+            if problems != reported:
+                reported = problems
+                for problem in problems:
+                    log.warning("%s", problem)
+                if problems:
+                    await self.bus.record([("", "resources-withheld", p) for p in problems])
+            state = await self.bus.wait_newer(state.version)
 
     async def _follow_config(self) -> None:
         """Reload on SIGHUP, when the file changes (a ConfigMap update swaps the mounted file), and when the

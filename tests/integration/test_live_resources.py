@@ -145,3 +145,22 @@ async def test_node_label_selects_a_named_config(tmp_path: Path) -> None:
         await agent.stop()
         await kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_withheld_gpus_are_reported_once_as_an_incident() -> None:
+    dgx = FakeNvml(load_node("dgx-h100"))
+    carve_mig(dgx, 0, [("3g.40gb", 0), ("1g.10gb", 4)])
+    config = load_config(None).model_copy(
+        update={"flags": load_config(None).flags.model_copy(update={"mig_strategy": "single"})}
+    )
+    async with running_agent("dgx-h100", config, fake=dgx) as rig:
+        bus = rig.agent.bus
+        assert bus is not None
+        await wait_until(lambda: any(i.kind == "resources-withheld" for i in bus.current.incidents), what="report")
+        withheld = [i.message for i in bus.current.incidents if i.kind == "resources-withheld"]
+        assert withheld == [
+            "migStrategy single needs every GPU MIG-enabled with devices of one profile (1g.10gb); not advertised: "
+            "GPU 0 (1g.10gb, 3g.40gb); GPU 1 (MIG disabled); GPU 2 (MIG disabled); GPU 3 (MIG disabled); "
+            "GPU 4 (MIG disabled); GPU 5 (MIG disabled); GPU 6 (MIG disabled); GPU 7 (MIG disabled)"
+        ]
+        assert rig.agent.devices() == {}
