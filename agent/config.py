@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agent.yamlfile import YamlProblem, load_yaml
 
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi")
 TAINT_KEY = r"gpu-node-agent\.io/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -210,9 +211,9 @@ def _format(err: ValidationError, origin: str) -> str:
 
 def parse_config(text: str, origin: str = "config") -> AgentConfig:
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{origin}: not valid YAML: {err}".replace("\n", " ")) from err
+        data = load_yaml(text)
+    except YamlProblem as err:
+        raise ConfigError(f"{origin}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping with 'version: v1' at the top level")
     try:

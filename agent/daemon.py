@@ -264,7 +264,18 @@ async def run_until_signal(agent: Agent) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, agent.hangup.set)
     try:
-        await agent.start()
+        starting = asyncio.ensure_future(agent.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # A signal while NVML is still being retried: stop now rather than after the retries.
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            log.info("signal received while starting; shutting down")
+            return 0
+        stopping.cancel()
+        starting.result()
         # Everything allocated so far lives as long as the process: keep it out of every later collection.
         gc.collect()
         gc.freeze()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from agent.yamlfile import YamlProblem, load_yaml
 
 DEFAULT_LAYOUTS = "default-layouts.yaml"
 """The layout file shipped with the agent (package data of agent.mig)."""
@@ -248,24 +249,6 @@ class _EntryDoc(_Strict):
 # --- parsing -------------------------------------------------------------------------------------------
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, Hashable):
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def _join(path: str, part: int | str) -> str:
     if isinstance(part, int):
         return f"{path}[{part}]"
@@ -487,13 +470,9 @@ def _layouts(configs: Any, origin: str, problems: list[tuple[str, str]]) -> dict
 def parse_layouts(text: str, origin: str) -> LayoutFile:
     """Parse a layout file's text; ``origin`` names it in errors. Raises :class:`LayoutError`."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise LayoutError(origin, [("", f"invalid YAML: {err.problem}{where}")]) from None
-    except yaml.YAMLError as err:
-        raise LayoutError(origin, [("", f"invalid YAML: {err}")]) from None
+        data = load_yaml(text)
+    except YamlProblem as err:
+        raise LayoutError(origin, [("", str(err))]) from None
     if not isinstance(data, dict):
         raise LayoutError(origin, [("", f"must be a mapping with 'version: v1', got {type(data).__name__}")])
     problems: list[tuple[str, str]] = []

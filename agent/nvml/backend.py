@@ -145,6 +145,11 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _address(handle: Any) -> int | None:
+    """The address an NVML device handle points at: the same device gives the same address."""
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
 def _norm_bus_id(bus_id: str) -> str:
     return bus_id.lower()
 
@@ -156,6 +161,8 @@ class NvmlBackend:
     lib: Any
     numa_lookup: NumaLookup = sysfs_numa_node
     _handles: list[Any] = field(default_factory=list)
+    _uuid_by_handle: dict[int | None, str] = field(default_factory=dict)
+    """GPU UUIDs by handle address, read at init: an event from a GPU that is off the bus still names it."""
     _initialised: bool = False
     lost_at_start: list[int] = field(default_factory=list)
     """NVML indices of GPUs that were lost when NVML was initialised."""
@@ -170,7 +177,9 @@ class NvmlBackend:
         self.lost_at_start = []
         for i in range(self.lib.nvmlDeviceGetCount()):
             try:
-                self._handles.append(self.lib.nvmlDeviceGetHandleByIndex(i))
+                handle = self.lib.nvmlDeviceGetHandleByIndex(i)
+                self._uuid_by_handle[_address(handle)] = _text(self.lib.nvmlDeviceGetUUID(handle))
+                self._handles.append(handle)
             except pynvml.NVMLError_GpuIsLost:
                 # A GPU already off the bus has no handle and no UUID to advertise; it is reported, not served.
                 self.lost_at_start.append(i)
@@ -373,8 +382,9 @@ class NvmlBackend:
         double_bit = int(data.eventType) == pynvml.nvmlEventTypeDoubleBitEccError
         xid = 48 if double_bit else int(data.eventData)
         gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
+        uuid = self._uuid_by_handle.get(_address(data.device))
         return XidEvent(
-            gpu_uuid=_text(self.lib.nvmlDeviceGetUUID(data.device)),
+            gpu_uuid=uuid if uuid is not None else _text(self.lib.nvmlDeviceGetUUID(data.device)),
             xid=xid,
             gpu_instance_id=None if gi == WHOLE_GPU else gi,
             compute_instance_id=None if ci == WHOLE_GPU else ci,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid as uuidlib
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -13,10 +13,10 @@ from types import MappingProxyType
 from typing import Annotated, Any, Literal, get_args
 
 import pynvml
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.nvml.catalog import GpuModel, UnknownGpuModel, lookup
+from agent.yamlfile import YamlProblem, load_yaml
 
 PcieLevel = Literal["single", "multiple", "hostbridge", "node", "system"]
 PCIE_LEVELS: tuple[str, ...] = get_args(PcieLevel)
@@ -247,27 +247,6 @@ def _serial(gpu_uuid: str) -> str:
 # --- parsing -------------------------------------------------------------------------------------------
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last."""
-
-
-def _construct_mapping(
-    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
-) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if isinstance(key, Hashable) and key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def _key_path(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
@@ -324,13 +303,9 @@ def parse_node(text: str, origin: str, node_name: str | None = None) -> NodeSpec
     """Parse and resolve a node file's text. ``origin`` names it in errors; ``node_name`` is the name to use
     when the file sets none (else the origin's file stem)."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise NodeFileError(origin, [("", f"invalid YAML: {err.problem}{where}")]) from None
-    except yaml.YAMLError as err:
-        raise NodeFileError(origin, [("", f"invalid YAML: {err}")]) from None
+        data = load_yaml(text)
+    except YamlProblem as err:
+        raise NodeFileError(origin, [("", str(err))]) from None
     if not isinstance(data, dict):
         found = type(data).__name__
         raise NodeFileError(origin, [("", f"must be a mapping with 'version: v1', got {found}")])

@@ -39,7 +39,8 @@ def test_nvidia_key_names_are_accepted() -> None:
         ("version: v1\nflags:\n  migStrategy: split\n",
          "cfg.yaml: flags.migStrategy: got 'split'; expected 'none', 'single' or 'mixed'"),
         ("- version\n", "cfg.yaml: expected a mapping with 'version: v1' at the top level"),
-        ("version: [\n", "cfg.yaml: not valid YAML:"),
+        ("version: [\n",
+         "cfg.yaml: invalid YAML: expected the node content, but found '<stream end>' (line 2, column 1)"),
     ],
 )
 def test_bad_config_is_named(text: str, message: str) -> None:

@@ -1,0 +1,94 @@
+"""Kubelet restarts: the agent registers again within a second every time, a hundred times in a row, without
+leaking file descriptors or threads; a kubelet that stays away makes the agent unready until it is back."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from agent.deviceplugin.v1beta1 import api_pb2
+from agent.simulate import StandInKubelet
+from tests.plugin_harness import Rig, running_agent, wait_until
+
+RESOURCE = "nvidia.com/gpu"
+RESTARTS = 100
+REREGISTER_S = 1.0
+FD_SLACK = 4
+"""Descriptors the runtime may open lazily (an epoll set, a wakeup pipe); a leak of one per restart exceeds it."""
+OS_THREAD_SLACK = 4
+"""gRPC's core may start a few more of its own threads under load; a thread per restart exceeds it."""
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def listed(kubelet: StandInKubelet, expected: list[tuple[str, str]]) -> bool:
+    """The kubelet holds a registration for the resource and its ListAndWatch list is the expected one."""
+    view = kubelet.plugins.get(RESOURCE)
+    return view is not None and view.updates > 0 and [(d.ID, d.health) for d in view.devices] == expected
+
+
+def plugin_sockets(rig: Rig) -> list[str]:
+    return sorted(p.name for p in rig.directory.iterdir() if p.is_socket() and p.name != "kubelet.sock")
+
+
+async def allocate_one(rig: Rig, device: str) -> dict[str, str]:
+    stub = rig.stub()
+    response = await stub.Allocate(
+        api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[device])]),
+        timeout=5,
+    )
+    return dict(response.container_responses[0].envs)
+
+
+async def test_a_hundred_kubelet_restarts_each_reregister_within_a_second_without_leaks() -> None:
+    async with running_agent("dgx-h100") as rig:
+        assert rig.agent.plugins is not None
+        plugin = rig.agent.plugins.plugins[RESOURCE]
+        expected = [(d.ID, "Healthy") for d in rig.devices()]
+        assert len(expected) == 8
+        # One restart first: whatever the runtime allocates once, lazily, is not a leak.
+        await rig.restart_kubelet()
+        await wait_until(lambda: listed(rig.kubelet, expected), REREGISTER_S, "re-registration after warm-up")
+        fds, threads, tasks = open_fds(), threading.active_count(), os_threads()
+        registrations = plugin.registrations
+        endpoints = set()
+
+        for restart in range(1, RESTARTS + 1):
+            await rig.restart_kubelet()
+            await wait_until(lambda: listed(rig.kubelet, expected), REREGISTER_S,
+                             f"re-registration after kubelet restart {restart}")
+            endpoints.add(rig.kubelet.plugins[RESOURCE].endpoint)
+
+        assert plugin.registrations - registrations == RESTARTS
+        assert len(endpoints) == RESTARTS  # a fresh socket each time, never one the old kubelet knew
+        assert plugin_sockets(rig) == [rig.kubelet.plugins[RESOURCE].endpoint]
+        assert await allocate_one(rig, expected[5][0]) == {"NVIDIA_VISIBLE_DEVICES": expected[5][0]}
+        assert open_fds() <= fds + FD_SLACK, f"{open_fds()} descriptors open after {RESTARTS} restarts, {fds} before"
+        assert threading.active_count() <= threads
+        assert os_threads() <= tasks + OS_THREAD_SLACK
+
+
+async def test_an_absent_kubelet_makes_the_agent_unready_until_it_returns() -> None:
+    async with running_agent("single-h200") as rig:
+        expected = [(d.ID, "Healthy") for d in rig.devices()]
+        assert rig.agent.ready() == (True, "ok")
+        await rig.kubelet.stop()
+        for path in rig.directory.iterdir():
+            if path.is_socket():
+                path.unlink()
+        await wait_until(lambda: rig.agent.ready() == (False, "not registered with the kubelet"), 2,
+                         "the agent to notice the kubelet is gone")
+        # The agent keeps waiting for the kubelet; nothing serves the old socket in the meantime.
+        assert plugin_sockets(rig) == []
+
+        rig.kubelet = StandInKubelet(rig.directory)
+        await rig.kubelet.start()
+        await wait_until(lambda: listed(rig.kubelet, expected), REREGISTER_S, "registration with the new kubelet")
+        await wait_until(lambda: rig.agent.ready() == (True, "ok"), REREGISTER_S, "readiness")
+        assert await allocate_one(rig, expected[0][0]) == {"NVIDIA_VISIBLE_DEVICES": expected[0][0]}

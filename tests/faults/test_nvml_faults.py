@@ -1,0 +1,287 @@
+"""NVML faults: no driver at start (bounded retries, unready meanwhile, one clear line at the end), a driver that
+loads during the retries, a GPU falling off the bus at run time, and a transient NVML error while sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pynvml
+import pytest
+
+from agent.config import AgentConfig, parse_config
+from agent.daemon import NVML_INIT_ATTEMPTS, NVML_INIT_BACKOFF_S, Agent, AgentOptions
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.simulate import InMemoryNode, StandInKubelet
+from tests.plugin_harness import short_dir, wait_until
+
+AGENT = [sys.executable, "-m", "agent.cli"]
+RESOURCE = "nvidia.com/gpu"
+FAST_HEALTH = parse_config("version: v1\nhealth:\n  sampleIntervalSeconds: 0.1\n  recoveryChecks: 2\n")
+TAINT = {"key": "gpu-node-agent.io/gpu-fault", "value": "true", "effect": "NoSchedule"}
+LOST = "GPU is lost (fallen off the bus)"
+BACKOFF_TOTAL_S = sum(NVML_INIT_BACKOFF_S * attempt for attempt in range(1, NVML_INIT_ATTEMPTS))
+"""The agent sleeps 1, 2, 3 and 4 s between its five attempts: it cannot give up sooner than this."""
+GIVE_UP_S = BACKOFF_TOTAL_S + 8.0
+"""...and must give up well before the kubelet's probes would have restarted it many times over."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def http_get(port: int, path: str) -> tuple[int, str] | None:
+    """One HTTP/1.0 GET on loopback; None while nothing listens yet."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+    except (OSError, TimeoutError):
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def state_without_driver(path: Path, preset: str) -> FakeNvml:
+    """A fake NVML state file, shared with the agent's process, whose driver is not loaded."""
+    fake = FakeNvml(load_node(preset), path)
+    fake.set_driver_loaded(False)
+    return fake
+
+
+async def answers(port: int, path: str, expected: tuple[int, str], timeout: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (got := await http_get(port, path)) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"{path} answered {got}, not {expected}"
+        await asyncio.sleep(0.05)
+
+
+async def collect_lines(stream: asyncio.StreamReader, lines: list[str]) -> None:
+    while line := await stream.readline():
+        lines.append(line.decode().rstrip("\n"))
+
+
+async def test_no_driver_at_start_retries_unready_then_gives_up_with_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "nvml-state.json"
+    state_without_driver(state, "single-h200")
+    directory = short_dir()
+    port = free_port()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--nvml", "mock:single-h200", "--mock-state", str(state), "--kubelet-dir", str(directory),
+        "--no-kube", "--metrics-port", str(port), stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = asyncio.create_task(collect_lines(proc.stderr, lines))
+    ready: list[tuple[int, str] | None] = []
+    live: list[tuple[int, str] | None] = []
+    try:
+        while proc.returncode is None and loop.time() - started < GIVE_UP_S:
+            ready.append(await http_get(port, "/readyz"))
+            live.append(await http_get(port, "/healthz"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.25)
+        await asyncio.wait_for(proc.wait(), max(0.1, GIVE_UP_S - (loop.time() - started)))
+        elapsed = loop.time() - started
+        await asyncio.wait_for(reader, 5)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    assert proc.returncode == 1
+    assert BACKOFF_TOTAL_S <= elapsed < GIVE_UP_S
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)
+    assert lines[-1] == "gpu-agent run: error: NVML initialisation failed: Driver Not Loaded"
+    assert [line for line in lines if "error" in line.lower()] == [lines[-1]]
+    retries = [line.split(": ", 1)[1] for line in lines if " WARNING agent.daemon: " in line]
+    assert retries == [f"NVML initialisation failed: Driver Not Loaded (attempt {n} of {NVML_INIT_ATTEMPTS})"
+                       for n in range(1, NVML_INIT_ATTEMPTS)]
+    # Whenever the endpoint answered during the retries, the agent was alive but not ready.
+    answered = [r for r in ready if r is not None]
+    assert answered, "/readyz never answered while the agent retried"
+    assert set(answered) == {(503, "NVML not initialised\n")}
+    assert {r for r in live if r is not None} == {(200, "ok\n")}
+
+
+async def test_a_driver_that_loads_during_the_retries_brings_the_agent_up(tmp_path: Path) -> None:
+    state = tmp_path / "nvml-state.json"
+    operator = state_without_driver(state, "single-h200")
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--nvml", "mock:single-h200", "--mock-state", str(state), "--kubelet-dir", str(directory),
+        "--no-kube", "--metrics-port", str(port), stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = asyncio.create_task(collect_lines(proc.stderr, lines))
+    try:
+        await wait_until(lambda: any("(attempt 1 of 5)" in line for line in lines), 15, "the first failed attempt")
+        assert await http_get(port, "/readyz") == (503, "NVML not initialised\n")
+        operator.set_driver_loaded(True)
+        await kubelet.wait_for({RESOURCE}, 15)
+        assert [d.health for d in kubelet.plugins[RESOURCE].devices] == ["Healthy"]
+        await answers(port, "/readyz", (200, "ok\n"), 5)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        await asyncio.wait_for(reader, 5)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert [line.split(": ", 1)[1] for line in lines if " WARNING agent.daemon: " in line][:1] == [
+        "NVML initialisation failed: Driver Not Loaded (attempt 1 of 5)"]
+    assert not any("Traceback" in line or "error:" in line for line in lines), "\n".join(lines)
+
+
+# --- run-time faults, in process: the agent on the fake, a test kubelet and an in-memory Node --------------
+
+
+@dataclass
+class NodeRig:
+    agent: Agent
+    fake: FakeNvml
+    kubelet: StandInKubelet
+    node: InMemoryNode
+    directory: Path
+
+    def health(self) -> list[str]:
+        view = self.kubelet.plugins.get(RESOURCE)
+        return [d.health for d in view.devices] if view else []
+
+    def uuid(self, index: int) -> str:
+        assert self.agent.bus is not None
+        return self.agent.bus.current.inventory.gpus[index].uuid
+
+    def stub(self) -> api_pb2_grpc.DevicePluginStub:
+        endpoint = self.kubelet.plugins[RESOURCE].endpoint
+        return api_pb2_grpc.DevicePluginStub(grpc.aio.insecure_channel(f"unix://{self.directory / endpoint}"))
+
+    def restarts(self) -> dict[str, float]:
+        return {
+            s.labels["task"]: s.value
+            for family in self.agent.metrics.registry.collect() if family.name == "gpu_agent_task_restarts"
+            for s in family.samples if s.name == "gpu_agent_task_restarts_total"
+        }
+
+    def converged(self) -> bool:
+        return self.agent.reconciler is not None and self.agent.reconciler.converged.is_set()
+
+
+@contextlib.asynccontextmanager
+async def agent_on_node(preset: str = "dgx-h100", config: AgentConfig = FAST_HEALTH) -> AsyncIterator[NodeRig]:
+    directory = short_dir()
+    fake = FakeNvml(load_node(preset))
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    node = InMemoryNode("gpu-node-1")
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
+                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
+    try:
+        await agent.start()
+        await kubelet.wait_for({RESOURCE}, 10)
+        rig = NodeRig(agent, fake, kubelet, node, directory)
+        await wait_until(rig.converged, 10, "the node to converge")
+        yield rig
+    finally:
+        await kubelet.stop()  # first: its ListAndWatch stream would hold the agent's shutdown for the grace
+        await agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def allocate_request(*ids: str) -> api_pb2.AllocateRequest:
+    return api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(ids))])
+
+
+async def test_a_gpu_lost_at_run_time_is_unhealthy_taints_the_node_and_the_others_keep_allocating() -> None:
+    async with agent_on_node() as rig:
+        assert rig.health() == ["Healthy"] * 8
+        rig.fake.set_gpu_lost(3)
+        await wait_until(lambda: rig.health() == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4, 5,
+                         "GPU 3 unhealthy in ListAndWatch")
+        await wait_until(lambda: rig.converged() and rig.node.view.taints == (TAINT,), 5, "the node taint")
+        condition = rig.node.view.conditions["GPUHealthy"]
+        assert (condition.status, condition.reason, condition.message) == ("False", "NodeGPUFault", LOST)
+        assert rig.node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}")]
+        assert rig.kubelet.capacity() == ({RESOURCE: "8"}, {RESOURCE: "7"})
+
+        stub = rig.stub()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Allocate(allocate_request(rig.uuid(3)), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == f"device {rig.uuid(3)} of resource {RESOURCE} is unhealthy: {LOST}"
+        others = [rig.uuid(i) for i in (0, 1, 2, 4, 5, 6, 7)]
+        response = await stub.Allocate(allocate_request(*others), timeout=5)
+        assert [dict(c.envs) for c in response.container_responses] == [{"NVIDIA_VISIBLE_DEVICES": ",".join(others)}]
+
+        # Back on the bus: healthy again after the configured clean samples; taint and condition go away.
+        rig.fake.set_gpu_lost(3, False)
+        await wait_until(lambda: rig.health() == ["Healthy"] * 8, 5, "GPU 3 healthy again")
+        await wait_until(lambda: rig.converged() and rig.node.view.taints == (), 5, "the taint removed")
+        assert rig.node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}"),
+                                   ("Normal", "GPURecovered", f"GPU {rig.uuid(3)}: recovered from {LOST}")]
+        assert rig.restarts() == {}
+
+
+async def test_the_xid_of_a_gpu_falling_off_the_bus_is_counted_without_restarting_the_monitor() -> None:
+    # A GPU that falls off the bus raises XID 79 as it goes: the event names a device that now answers every
+    # call with GpuIsLost.
+    async with agent_on_node() as rig:
+        rig.fake.set_gpu_lost(3)
+        rig.fake.inject_xid(3, 79)
+        await wait_until(lambda: rig.health()[3] == "Unhealthy", 5, "GPU 3 unhealthy in ListAndWatch")
+        monitor = rig.agent.monitor
+        assert monitor is not None
+        await wait_until(lambda: monitor.events_seen >= 1 or bool(rig.restarts()), 5, "the XID to be taken")
+        assert monitor.xid_counts == {(rig.uuid(3), 79): 1}
+        assert rig.restarts() == {}
+        await wait_until(lambda: rig.converged() and rig.node.view.taints == (TAINT,), 5, "the node taint")
+
+
+async def test_a_transient_nvml_error_while_sampling_restarts_only_the_monitor_and_faults_still_register() -> None:
+    async with agent_on_node() as rig:
+        # The next ECC query fails once with an error NVML gives for no particular reason.
+        rig.fake.fail_next("nvmlDeviceGetTotalEccErrors", pynvml.NVML_ERROR_UNKNOWN)
+        await wait_until(lambda: rig.restarts() == {"health": 1.0}, 5, "the health monitor to be restarted")
+        monitor = rig.agent.monitor
+        assert monitor is not None
+        # The restarted monitor registers for events before its first sample: a new sample means it listens.
+        last_sample = monitor.telemetry
+        await wait_until(lambda: monitor.telemetry is not last_sample, 5, "the restarted monitor's first sample")
+        # A transient error says nothing about the GPUs: all stay healthy and the node untouched.
+        assert rig.health() == ["Healthy"] * 8
+        assert rig.node.view.taints == ()
+        assert rig.node.events == []
+        # The restarted monitor still judges faults.
+        rig.fake.inject_xid(6, 48)
+        await wait_until(lambda: rig.health()[6] == "Unhealthy", 5, "GPU 6 unhealthy after the XID")
+        await wait_until(lambda: rig.converged() and bool(rig.node.events), 5, "the fault event")
+        assert rig.node.events[0] == ("Warning", "GPUFault", f"GPU {rig.uuid(6)}: XID 48")
+        assert rig.restarts() == {"health": 1.0}
+        response = await rig.stub().Allocate(allocate_request(rig.uuid(0)), timeout=5)
+        assert dict(response.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(0)}
