@@ -16,14 +16,18 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from agent.config import AgentConfig
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.health.monitor import EVENT_WAIT_MS
+from agent.nvml.fake import FakeNvml
 from agent.simulate import StandInKubelet
 from agent.topology.model import Topology
 from agent.topology.prefer import topology_of
@@ -35,9 +39,9 @@ WARMUP_CALLS = 20
 """Untimed calls before each timed series: the first calls on a channel pay for connection setup."""
 XID = 48
 """Double-bit ECC error: the default health policy marks the GPU unhealthy at once."""
-INJECT_PHASE_S = 0.25
-"""Each injection waits a random 0..this long first, so injections land at every phase of the monitor's
-200 ms NVML event wait and its 5 s sampling loop."""
+INJECT_PHASE_S = EVENT_WAIT_MS / 1000
+"""Each injection waits a random 0..this long first, so injections land at every phase of the health monitor's
+NVML event wait (one wait is this long) and of its sampling loop."""
 UPDATE_TIMEOUT_S = 5.0
 SETTLE_S = 2.0
 """Pause after the agent process registers, so its first health sample is done before RSS is read."""
@@ -130,8 +134,8 @@ def brute_force_optimum(topo: Topology, available: Sequence[int], must: Sequence
 # --- helpers ------------------------------------------------------------------------------------------------
 
 
-def _stub(rig: Rig) -> tuple[grpc.aio.Channel, api_pb2_grpc.DevicePluginStub]:
-    endpoint = rig.kubelet.plugins[RESOURCE].endpoint
+def _stub(rig: Rig, resource: str = RESOURCE) -> tuple[grpc.aio.Channel, api_pb2_grpc.DevicePluginStub]:
+    endpoint = rig.kubelet.plugins[resource].endpoint
     channel = grpc.aio.insecure_channel(f"unix://{rig.directory / endpoint}")
     return channel, api_pb2_grpc.DevicePluginStub(channel)
 
@@ -242,6 +246,86 @@ async def allocate(preset: str, calls: int, rng: random.Random) -> dict[str, Any
     return {"preset": preset, "gpus": len(ids), **timer.figures()}
 
 
+# --- many devices: MIG devices and time-sliced replicas -------------------------------------------------------
+
+SIZE_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, 1024))
+"""Request-size ranges the many-device series are split by in the details."""
+
+
+def _by_bucket(sizes: Sequence[int], ms: Sequence[float]) -> dict[str, Any]:
+    """Latency figures per request-size range (only the ranges some request fell in)."""
+    out: dict[str, Any] = {}
+    for lo, hi in SIZE_BUCKETS:
+        times = [t for size, t in zip(sizes, ms, strict=True) if lo <= size <= hi]
+        if times:
+            out[f"{lo}" if lo == hi else f"{lo}-{hi}"] = latency(times)
+    return out
+
+
+def _valid_answer(answer: Sequence[str], available: Sequence[str], must: Sequence[str], size: int) -> bool:
+    """A preferred allocation the kubelet can use: `size` distinct offered devices, every must-include one among
+    them."""
+    chosen = set(answer)
+    return len(answer) == size == len(chosen) and chosen <= set(available) | set(must) and set(must) <= chosen
+
+
+async def many_devices(
+    preset: str,
+    resource: str,
+    config: AgentConfig,
+    preferred_calls: int,
+    allocate_calls: int,
+    rng: random.Random,
+    fake: FakeNvml | None = None,
+) -> dict[str, Any]:
+    """GetPreferredAllocation and Allocate latency on one resource with many devices (MIG devices or replicas).
+
+    Each request draws its size uniformly from 1..N (N = the resource's device count), so every size is as
+    likely as any other, as in the whole-GPU series; GetPreferredAllocation offers a random set of at least
+    `size` devices, with one or two must-include devices in every fourth request of size 2 or more. Answers
+    are checked for validity (outside the timing): `size` distinct offered devices, must-include ones among them.
+    """
+    async with running_agent(preset, config, fake=fake) as rig:
+        ids = [d.ID for d in rig.devices(resource)]
+        n = len(ids)
+        channel, stub = _stub(rig, resource)
+        async with channel:
+            for trial in range(WARMUP_CALLS):
+                size = rng.randint(1, n)
+                available, must = _draw(rng, n, size, trial)
+                await stub.GetPreferredAllocation(_preferred_request(ids, available, must, size))
+            preferred, preferred_sizes, valid = Timer(), [], 0
+            for trial in range(preferred_calls):
+                size = rng.randint(1, n)
+                available, must = _draw(rng, n, size, trial)
+                request = _preferred_request(ids, available, must, size)
+                with preferred():
+                    response = await stub.GetPreferredAllocation(request)
+                preferred_sizes.append(size)
+                valid += _valid_answer(response.container_responses[0].deviceIDs,
+                                       [ids[i] for i in available], [ids[i] for i in must], size)
+            for _ in range(WARMUP_CALLS):
+                await stub.Allocate(_allocate_request(rng.sample(ids, rng.randint(1, n))))
+            allocate, allocate_sizes = Timer(), []
+            for _ in range(allocate_calls):
+                chosen = rng.sample(ids, rng.randint(1, n))
+                request = _allocate_request(chosen)
+                with allocate():
+                    response = await stub.Allocate(request)
+                if len(response.container_responses) != 1:
+                    raise RuntimeError(f"{resource}: Allocate answered {len(response.container_responses)} "
+                                       "container responses for one container")
+                allocate_sizes.append(len(chosen))
+    return {
+        "preset": preset,
+        "resource": resource,
+        "devices": n,
+        "preferred": {**preferred.figures(), "valid_answers": valid,
+                      "by_size": _by_bucket(preferred_sizes, preferred.wall)},
+        "allocate": {**allocate.figures(), "by_size": _by_bucket(allocate_sizes, allocate.wall)},
+    }
+
+
 # --- health change to ListAndWatch --------------------------------------------------------------------------
 
 
@@ -305,16 +389,34 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
-async def agent_process(preset: str, allocations: int, idle_s: float, rng: random.Random) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ApiTarget:
+    """The API server the agent process talks to, and how to tell that it has converged its Node."""
+
+    kubeconfig: Path
+    node: str
+    converged: Callable[[], Awaitable[None]]
+    """Called once the agent has registered; returns when the agent has written its Node (raises on timeout)."""
+
+
+async def agent_process(
+    preset: str, allocations: int, idle_s: float, rng: random.Random, api: ApiTarget | None = None
+) -> dict[str, Any]:
     """Run `gpu-agent run --nvml mock:PRESET` against a stand-in kubelet in this process; read its RSS after
     start and after `allocations` Allocate calls, then its CPU time over `idle_s` seconds of idling (the
-    stand-in kubelet keeps its ListAndWatch stream open, as a kubelet does)."""
+    stand-in kubelet keeps its ListAndWatch stream open, as a kubelet does).
+
+    Without `api` the agent runs with --no-kube; with it, the agent connects to that API server as that node
+    (its Node watch stays open while it idles), and "after start" means after it has converged the Node.
+    """
     directory = short_dir()
     kubelet = StandInKubelet(directory)
     await kubelet.start()
     log_path = directory / "agent.log"
+    kube = ["--no-kube"] if api is None else ["--kubeconfig", str(api.kubeconfig), "--node-name", api.node]
+    shown = ["--no-kube"] if api is None else ["--kubeconfig", "KUBECONFIG", "--node-name", api.node]
     command = [*agent_command(), "run", "--nvml", f"mock:{preset}", "--kubelet-dir", str(directory),
-               "--no-kube", "--metrics-port", "0"]
+               *kube, "--metrics-port", "0"]
     # The agent imported from this tree, whatever the environment's installed copy points at.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "wb") as log:
@@ -322,8 +424,11 @@ async def agent_process(preset: str, allocations: int, idle_s: float, rng: rando
     try:
         try:
             await kubelet.wait_for({RESOURCE}, 60)
+            if api is not None:
+                await api.converged()
         except TimeoutError:
-            raise RuntimeError(f"the agent did not register within 60 s:\n{log_path.read_text()}") from None
+            raise RuntimeError(f"the agent did not register and converge within 60 s:\n{log_path.read_text()}") \
+                from None
         await asyncio.sleep(SETTLE_S)
         rss_start, _ = rss_bytes(proc.pid)
         ids = [d.ID for d in kubelet.plugins[RESOURCE].devices]
@@ -351,7 +456,8 @@ async def agent_process(preset: str, allocations: int, idle_s: float, rng: rando
     idle_cpu = cpu_after - cpu_before
     return {
         "preset": preset,
-        "command": f"gpu-agent run --nvml mock:{preset} --kubelet-dir DIR --no-kube --metrics-port 0",
+        "command": " ".join(["gpu-agent", "run", "--nvml", f"mock:{preset}", "--kubelet-dir", "DIR", *shown,
+                             "--metrics-port", "0"]),
         "gpus": len(ids),
         "rss_after_start_bytes": rss_start,
         "rss_after_allocations_bytes": rss_after,

@@ -1,16 +1,18 @@
-"""`make bench`: the agent's figures over real gRPC sockets, held to their budgets, into bench/results.json and
-docs/benchmarks.md.
+"""`make bench`: the agent's figures over real gRPC sockets, a real kube-apiserver and the fake NVML, held to
+their budgets, into bench/results.json and docs/benchmarks.md.
 
 Usage: python bench/run.py [--quick] [--seed S] [--out bench/results.json] [--doc docs/benchmarks.md] [--check]
 
---quick runs every measurement with fewer calls and a 10 s idle window (a smoke run, not for the page);
---check exits 1 when a figure misses its budget.
+--quick runs every measurement with fewer calls, a 10 s idle window and a 30 s steady state (a smoke run, not
+for the page); --check exits 1 when a figure misses its budget. The API-server figures need the binaries
+hack/testbin.sh builds; the run builds them first when they are missing (minutes, once).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,16 +32,28 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from bench import grpc_bench, report  # noqa: E402
+from agent.config import parse_config  # noqa: E402
+from bench import grpc_bench, kube_bench, mig_bench, report  # noqa: E402
+from tests.integration import apiserver  # noqa: E402
 
 PREFERRED_PRESETS = ("a100-pcie-nvlink-pairs", "dgx-h100", "hgx-16-nvswitch", "pcie-16-nvlink-pairs")
 ALLOCATE_PRESETS = ("dgx-h100", "hgx-16-nvswitch")
 HEALTH_PRESET = "dgx-h100"
 PROCESS_PRESET = "dgx-h100"
+MIG_PRESET, MIG_LAYOUT, MIG_RESOURCE = "dgx-h100", "all-1g.10gb", "nvidia.com/mig-1g.10gb"
+MIG_CONFIG = "version: v1\nflags:\n  migStrategy: mixed\n"
+REPLICA_PRESET, REPLICA_RESOURCE, REPLICAS = "hgx-16-nvswitch", "nvidia.com/gpu", 50
+REPLICA_CONFIG = (f"version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: {REPLICA_RESOURCE}\n"
+                  f"      replicas: {REPLICAS}\n")
+APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM = "dgx-h100", "all-balanced", "all-disabled"
+RIG_NODE = "bench-node"
+TAINT_PRESET = "dgx-h100"
+STEADY_PRESET = "dgx-h100"
 
 PREFERRED_P99_MS = 20.0
 ALLOCATE_P99_MS = 2.0
 HEALTH_MS = 100.0
+TAINT_MS = 1000.0
 RSS_MB = 100.0
 IDLE_CPU_PERCENT = 1.0
 MB = 1_000_000
@@ -51,18 +66,29 @@ class Plan:
     xid_injections: int
     process_allocations: int
     idle_s: float
+    many_preferred_calls: int
+    many_allocate_calls: int
+    mig_apply_runs: int
+    taint_injections: int
+    steady_state_s: float
 
 
 FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50, process_allocations=10_000,
-            idle_s=60.0)
+            idle_s=60.0, many_preferred_calls=1000, many_allocate_calls=2000, mig_apply_runs=10,
+            taint_injections=20, steady_state_s=300.0)
 QUICK = Plan(preferred_calls_per_size=10, allocate_calls=200, xid_injections=16, process_allocations=2000,
-             idle_s=10.0)
+             idle_s=10.0, many_preferred_calls=100, many_allocate_calls=200, mig_apply_runs=3,
+             taint_injections=5, steady_state_s=30.0)
 
 
 def figure(
     key: str, label: str, value: float, unit: str, op: str | None = None, limit: float | None = None
 ) -> dict[str, Any]:
-    """One row of the results: a value, and when it has a budget, the budget and whether it was met."""
+    """One row of the results: a value, and when it has a budget, the budget and whether it was met.
+
+    op "report" marks a figure asked for without a budget: reported, never judged."""
+    if op == "report":
+        return {"id": key, "figure": label, "value": value, "unit": unit, "budget": "report", "verdict": "report"}
     if op is None or limit is None:
         return {"id": key, "figure": label, "value": value, "unit": unit, "budget": None, "verdict": "info"}
     met = {"<": value < limit, "==": value == limit}[op]
@@ -107,15 +133,34 @@ def _rng(seed: int, section: str) -> random.Random:
     return random.Random(f"{seed}/{section}")
 
 
-async def measure(plan: Plan, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+class Sections:
+    """The load average when each section starts and how long it runs: other work on the machine shows here."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        load = [round(x, 2) for x in os.getloadavg()]
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.record[name] = {"load_average_at_start": load, "duration_s": round(time.monotonic() - started, 1)}
+
+
+async def measure(plan: Plan, seed: int, workdir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     figures: list[dict[str, Any]] = []
-    details: dict[str, Any] = {"preferred": {}, "allocate": {}}
+    details: dict[str, Any] = {"preferred": {}, "allocate": {}, "many_devices": {}}
+    section = Sections()
+    details["sections"] = section.record
 
     for preset in PREFERRED_PRESETS:
         started = time.monotonic()
-        result = await grpc_bench.preferred_allocation(
-            preset, plan.preferred_calls_per_size, _rng(seed, f"preferred/{preset}")
-        )
+        with section(f"preferred/{preset}"):
+            result = await grpc_bench.preferred_allocation(
+                preset, plan.preferred_calls_per_size, _rng(seed, f"preferred/{preset}")
+            )
         details["preferred"][preset] = result
         n, optimum = result["gpus"], result["optimum"]
         share = round(100 * optimum["optimal"] / optimum["checked"], 2)
@@ -132,7 +177,8 @@ async def measure(plan: Plan, seed: int) -> tuple[list[dict[str, Any]], dict[str
               f"{optimum['checked']} checked ({time.monotonic() - started:.0f} s)", flush=True)
 
     for preset in ALLOCATE_PRESETS:
-        result = await grpc_bench.allocate(preset, plan.allocate_calls, _rng(seed, f"allocate/{preset}"))
+        with section(f"allocate/{preset}"):
+            result = await grpc_bench.allocate(preset, plan.allocate_calls, _rng(seed, f"allocate/{preset}"))
         details["allocate"][preset] = result
         where = f"{result['gpus']} GPUs ({preset})"
         figures += [
@@ -142,7 +188,39 @@ async def measure(plan: Plan, seed: int) -> tuple[list[dict[str, Any]], dict[str
         print(f"Allocate {preset}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms over {result['calls']} "
               "calls", flush=True)
 
-    health = await grpc_bench.health_to_list_and_watch(HEALTH_PRESET, plan.xid_injections, _rng(seed, "health"))
+    many = {
+        "mig": (MIG_PRESET, MIG_RESOURCE, MIG_CONFIG, f"MIG devices ({MIG_PRESET}, {MIG_LAYOUT}, {MIG_RESOURCE})"),
+        "replicas": (REPLICA_PRESET, REPLICA_RESOURCE, REPLICA_CONFIG,
+                     f"time-sliced replicas ({REPLICA_PRESET}, {REPLICAS} per GPU, {REPLICA_RESOURCE})"),
+    }
+    for key, (preset, resource, text, what) in many.items():
+        started = time.monotonic()
+        with section(f"many_devices/{key}"):
+            fake = mig_bench.carved(preset, MIG_LAYOUT) if key == "mig" else None
+            result = await grpc_bench.many_devices(
+                preset, resource, parse_config(text, f"bench {key} config"), plan.many_preferred_calls,
+                plan.many_allocate_calls, _rng(seed, f"many_devices/{key}"), fake=fake,
+            )
+        result["config"] = text
+        if key == "mig":
+            result["layout"] = MIG_LAYOUT
+        details["many_devices"][key] = result
+        where = f"{result['devices']} {what}"
+        pref, alloc = result["preferred"], result["allocate"]
+        figures += [
+            figure(f"many.{key}.preferred.p50", f"GetPreferredAllocation p50, {where}", pref["p50_ms"], "ms"),
+            figure(f"many.{key}.preferred.p99", f"GetPreferredAllocation p99, {where}", pref["p99_ms"], "ms",
+                   "<", PREFERRED_P99_MS),
+            figure(f"many.{key}.allocate.p50", f"Allocate p50, {where}", alloc["p50_ms"], "ms"),
+            figure(f"many.{key}.allocate.p99", f"Allocate p99, {where}", alloc["p99_ms"], "ms",
+                   "<", ALLOCATE_P99_MS),
+        ]
+        print(f"{result['devices']} {what}: GetPreferredAllocation p50 {pref['p50_ms']} ms, p99 {pref['p99_ms']} ms "
+              f"({pref['valid_answers']}/{pref['calls']} answers valid); Allocate p50 {alloc['p50_ms']} ms, "
+              f"p99 {alloc['p99_ms']} ms ({time.monotonic() - started:.0f} s)", flush=True)
+
+    with section("health"):
+        health = await grpc_bench.health_to_list_and_watch(HEALTH_PRESET, plan.xid_injections, _rng(seed, "health"))
     details["health"] = health
     label = f"XID {health['xid']} to ListAndWatch update ({HEALTH_PRESET})"
     figures += [
@@ -153,13 +231,29 @@ async def measure(plan: Plan, seed: int) -> tuple[list[dict[str, Any]], dict[str
     print(f"XID to ListAndWatch: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, max {health['max_ms']} ms "
           f"over {health['calls']} injections on {health['agents']} agents", flush=True)
 
+    with section("mig_apply"):
+        apply = mig_bench.apply_overhead(APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM, plan.mig_apply_runs)
+    details["mig_apply"] = apply
+    where = f"{APPLY_LAYOUT} from {APPLY_FROM}, {apply['gpus']} GPUs ({APPLY_PRESET}), p50 of {apply['runs']} runs"
+    figures += [
+        figure("mig_apply.total", f"MIG apply, total, {where}", apply["total_p50_ms"], "ms", "report"),
+        figure("mig_apply.inside_nvml", f"MIG apply, inside NVML calls, {where}", apply["inside_nvml_p50_ms"],
+               "ms", "report"),
+        figure("mig_apply.agent", f"MIG apply, total minus inside NVML (agent overhead), {where}",
+               apply["agent_p50_ms"], "ms", "report"),
+    ]
+    print(f"MIG apply {APPLY_LAYOUT}: p50 total {apply['total_p50_ms']} ms, inside NVML {apply['inside_nvml_p50_ms']} "
+          f"ms, agent {apply['agent_p50_ms']} ms over {apply['runs']} runs ({apply['nvml_calls_per_apply']} NVML "
+          "calls each)", flush=True)
+
     print(f"agent process: {plan.process_allocations} Allocate calls, then {plan.idle_s:.0f} s idle ...", flush=True)
-    process = await grpc_bench.agent_process(
-        PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process")
-    )
+    with section("process"):
+        process = await grpc_bench.agent_process(
+            PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process")
+        )
     details["process"] = process
     calls = process["allocate"]["allocations"]
-    where = f"gpu-agent process, {process['gpus']} GPUs ({PROCESS_PRESET})"
+    where = f"gpu-agent process --no-kube, {process['gpus']} GPUs ({PROCESS_PRESET})"
     figures += [
         figure("process.allocate.p50", f"Allocate p50, {where}", process["allocate"]["p50_ms"], "ms"),
         figure("process.allocate.p99", f"Allocate p99, {where}", process["allocate"]["p99_ms"], "ms",
@@ -175,6 +269,69 @@ async def measure(plan: Plan, seed: int) -> tuple[list[dict[str, Any]], dict[str
           f"{process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; "
           f"Allocate p99 {process['allocate']['p99_ms']} ms; idle CPU {process['idle']['cpu_percent_of_core']} % "
           "of a core", flush=True)
+    process_rows = len(figures)
+
+    apiserver.ensure_testbin()
+    started = time.monotonic()
+    with apiserver.running(workdir / "apiserver", nodes=(RIG_NODE,)) as rig:
+        kubeconfig = rig.kubeconfig_path
+        details["apiserver"] = {"versions": apiserver.pinned_versions(), "node": RIG_NODE,
+                                "start_s": round(time.monotonic() - started, 1)}
+        print(f"kube-apiserver and etcd up ({details['apiserver']['start_s']:.0f} s); XID {kube_bench.XID} to "
+              f"taint, {plan.taint_injections} injections ...", flush=True)
+        with section("taint"):
+            taint = await kube_bench.xid_to_taint(kubeconfig, RIG_NODE, TAINT_PRESET, plan.taint_injections,
+                                                  _rng(seed, "taint"))
+        details["taint"] = taint
+        label = f"XID {taint['xid']} to the agent's taint on its Node in kube-apiserver ({TAINT_PRESET})"
+        figures += [
+            figure("taint.p50", f"{label}, p50", taint["p50_ms"], "ms"),
+            figure("taint.p99", f"{label}, p99", taint["p99_ms"], "ms", "<", TAINT_MS),
+            figure("taint.max", f"{label}, max", taint["max_ms"], "ms", "<", TAINT_MS),
+        ]
+        print(f"XID to taint: p50 {taint['p50_ms']} ms, p99 {taint['p99_ms']} ms, max {taint['max_ms']} ms over "
+              f"{taint['calls']} injections; {plan.steady_state_s:.0f} s of steady state ...", flush=True)
+
+        with section("steady_state"):
+            steady = await kube_bench.steady_state(kubeconfig, RIG_NODE, STEADY_PRESET, plan.steady_state_s)
+        details["steady_state"] = steady
+        where = f"{steady['window_s']:.0f} s after the agent converged its Node ({STEADY_PRESET})"
+        figures += [
+            figure("steady.writes", f"API writes by the agent, {where}", steady["agent_writes"], "writes", "==", 0),
+            figure("steady.node_updates", f"Node updates seen on a watch, {where}", steady["node_updates_seen"],
+                   "updates", "==", 0),
+        ]
+        print(f"steady state: {steady['agent_writes']} agent writes, {steady['node_updates_seen']} node updates, "
+              f"resourceVersion {steady['resource_version_before']} -> {steady['resource_version_after']} over "
+              f"{steady['window_s']:.0f} s", flush=True)
+
+        print(f"agent process with the API client: {plan.process_allocations} Allocate calls, then "
+              f"{plan.idle_s:.0f} s idle ...", flush=True)
+
+        async def converged() -> None:
+            await kube_bench.wait_condition_written(kubeconfig, RIG_NODE)
+
+        with section("process_kube"):
+            await kube_bench.reset_condition(kubeconfig, RIG_NODE)
+            kube_process = await grpc_bench.agent_process(
+                PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process"),
+                grpc_bench.ApiTarget(kubeconfig, RIG_NODE, converged),
+            )
+    details["process_kube"] = kube_process
+    calls = kube_process["allocate"]["allocations"]
+    where = f"gpu-agent process with the API client (kube-apiserver), {kube_process['gpus']} GPUs ({PROCESS_PRESET})"
+    # Next to the --no-kube rows, so the page shows the two side by side.
+    figures[process_rows:process_rows] = [
+        figure("process_kube.rss.start", f"RSS after start and converging the Node, {where}",
+               round(kube_process["rss_after_start_bytes"] / MB, 1), "MB", "<", RSS_MB),
+        figure("process_kube.rss.allocations", f"RSS after {calls:,} Allocate calls, {where}",
+               round(kube_process["rss_after_allocations_bytes"] / MB, 1), "MB", "<", RSS_MB),
+        figure("process_kube.idle_cpu", f"Idle CPU over {kube_process['idle']['wall_s']:.0f} s, {where}",
+               kube_process["idle"]["cpu_percent_of_core"], "% of a core", "<", IDLE_CPU_PERCENT),
+    ]
+    print(f"agent process with the API client: RSS {kube_process['rss_after_start_bytes'] / MB:.1f} MB after start, "
+          f"{kube_process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; idle CPU "
+          f"{kube_process['idle']['cpu_percent_of_core']} % of a core", flush=True)
     return figures, details
 
 
@@ -191,7 +348,7 @@ def main() -> int:
     facts = machine()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-agent-bench-") as tmp, grpc_bench.quiet_logs(Path(tmp) / "agent.log"):
-        figures, details = asyncio.run(measure(plan, args.seed))
+        figures, details = asyncio.run(measure(plan, args.seed, Path(tmp)))
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {
         "generated_by": "bench/run.py" + (" --quick" if args.quick else ""),
@@ -204,6 +361,7 @@ def main() -> int:
             "warmup_calls": grpc_bench.WARMUP_CALLS,
             "inject_phase_s": grpc_bench.INJECT_PHASE_S,
             "settle_s": grpc_bench.SETTLE_S,
+            "event_wait_ms": kube_bench.EVENT_WAIT_MS,
         },
         "machine": facts,
         "figures": figures,
