@@ -14,6 +14,8 @@ bounded greedy search (see `docs/allocation.md`).
 
 from __future__ import annotations
 
+import functools
+import heapq
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -425,7 +427,13 @@ def preferred_shared(
 
 def _take(offered: Mapping[int, list[str]], picked: dict[int, list[str]], gpu: int, count: int) -> None:
     have = picked.setdefault(gpu, [])
-    have.extend([rid for rid in offered[gpu] if rid not in have][:count])
+    taken = set(have)
+    for rid in offered[gpu]:
+        if count <= 0:
+            break
+        if rid not in taken:
+            have.append(rid)
+            count -= 1
 
 
 def _spread(
@@ -446,13 +454,19 @@ def _spread(
             if g not in picked:
                 _take(offered, picked, g, 1)
         still -= new
+    # One replica at a time to the GPU with the lowest load counting this request, lowest index first; the
+    # heap makes that O(still * log GPUs), and each GPU's replicas are taken in one go at the end.
+    extra: dict[int, int] = {}
+    heap = [(load[g] + len(picked.get(g, ())), g) for g in offered if len(picked.get(g, ())) < len(offered[g])]
+    heapq.heapify(heap)
     while still:
-        g = min(
-            (g for g in offered if len(picked.get(g, ())) < len(offered[g])),
-            key=lambda g: (load[g] + len(picked.get(g, ())), g),
-        )
-        _take(offered, picked, g, 1)
+        level, g = heapq.heappop(heap)
+        extra[g] = extra.get(g, 0) + 1
         still -= 1
+        if len(picked.get(g, ())) + extra[g] < len(offered[g]):
+            heapq.heappush(heap, (level + 1, g))
+    for g, count in extra.items():
+        _take(offered, picked, g, count)
 
 
 def _pack(
@@ -559,6 +573,7 @@ def _numa_order(node: int | None) -> tuple[int, bool, int]:
 # Shared helpers
 
 
+@functools.lru_cache(maxsize=16384)
 def replica_order(device_id: str) -> tuple[tuple[int, str, int], ...]:
     """Natural sort key for device ids: digit runs compare as numbers ("gpu::2" before "gpu::10")."""
     return tuple(
