@@ -313,6 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:
+        # The reader went away (`gpu-agent inspect | head`): stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CliError, ConfigError) as err:
         print(f"gpu-agent {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR

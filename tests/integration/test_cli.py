@@ -121,3 +121,9 @@ async def test_sigterm_removes_the_socket_and_exits_zero() -> None:
             await proc.wait()
         await kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    shell = f"{sys.executable} -m agent.cli mig plan --nvml mock:hgx-16-nvswitch --layout all-1g.10gb | head -n 1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "GPU 0: enable MIG\n", "")
