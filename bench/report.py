@@ -248,6 +248,50 @@ def _method(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cpu_for(results: dict[str, Any], figure_id: str) -> tuple[float, float] | None:
+    """(wall p99, CPU p99) in ms of the in-process series a latency figure comes from, where there is one."""
+    details = results["details"]
+    parts = figure_id.split(".")
+    series: dict[str, Any] | None = None
+    if parts[0] in ("allocate", "preferred") and len(parts) == 3:
+        series = details[parts[0]].get(parts[1])
+    elif parts[0] == "many" and len(parts) == 4:
+        series = details["many_devices"].get(parts[1], {}).get(parts[2])
+    if not series or "cpu_p99_ms" not in series:
+        return None
+    return series["p99_ms"], series["cpu_p99_ms"]
+
+
+def _missed(results: dict[str, Any]) -> list[str]:
+    """Each missed budget with what the run itself shows about it: the CPU time behind a latency, and the
+    load on the machine when its section started."""
+    failed = [row for row in results["figures"] if row["verdict"] == "fail"]
+    if not failed:
+        return []
+    lines = ["## Budgets missed", "", "| figure | value | budget | what the run shows |", "|---|---:|---:|---|"]
+    for row in failed:
+        section = row["id"].split(".")[0]
+        if section == "many":
+            section = "many_devices/" + row["id"].split(".")[1]
+        elif section in ("allocate", "preferred"):
+            section = f"{section}/{row['id'].split('.')[1]}"
+        load = results["details"]["sections"].get(section, {}).get("load_average_at_start")
+        notes = []
+        cpu = _cpu_for(results, row["id"])
+        if cpu is not None:
+            notes.append(f"CPU time p99 {cpu[1]:.3f} ms against wall p99 {cpu[0]:.3f} ms")
+        if row["id"].startswith("process_kube.rss"):
+            plain = next((r for r in results["figures"] if r["id"] == row["id"].replace("process_kube", "process")),
+                         None)
+            if plain is not None:
+                notes.append(f"without the API client: {_number(plain['value'], plain['unit'])}")
+        if load:
+            notes.append(f"load average {load[0]} on {results['machine']['usable_cpus']} CPUs when the section began")
+        lines.append(f"| {row['figure']} | {_number(row['value'], row['unit'])} | {_budget(row)} | "
+                     f"{'; '.join(notes) or '—'} |")
+    return [*lines, ""]
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     failed = sum(row["verdict"] == "fail" for row in results["figures"])
@@ -268,6 +312,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         *_figures(results),
         "",
+        *_missed(results),
         "## GetPreferredAllocation by request size",
         "",
         f"p50 / p99 in ms, {results['plan']['preferred_calls_per_size']} calls per size.",
