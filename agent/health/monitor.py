@@ -42,6 +42,8 @@ class HealthMonitor:
         """The latest sample of every GPU, by UUID (replaced whole, read by metrics)."""
         self.xid_counts: dict[tuple[str, int], int] = {}
         """XID events seen, by (GPU UUID, XID)."""
+        self.read_errors = 0
+        """Samples NVML failed for no reason tied to the GPU; they count neither as faults nor as clean."""
         self.events_seen = 0
         """XID events taken from NVML so far (simulate waits on this)."""
 
@@ -85,6 +87,13 @@ class HealthMonitor:
         telemetry = {}
         for gpu in self._bus.current.inventory.gpus:
             reading = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
+            if reading.unreadable is not None:
+                # Neither a fault nor a clean sample: keep the last reading and judge again next time.
+                self.read_errors += 1
+                log.warning("GPU %s: health sample failed: %s", gpu.uuid, reading.unreadable)
+                if gpu.uuid in self.telemetry:
+                    telemetry[gpu.uuid] = self.telemetry[gpu.uuid]
+                continue
             telemetry[gpu.uuid] = reading
             verdict = classify_reading(reading, self._policy)
             if verdict.faulty:

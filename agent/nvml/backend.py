@@ -113,6 +113,8 @@ class HealthReading:
     power_w: float | None = None
     memory_used_mib: int | None = None
     utilization_pct: int | None = None
+    unreadable: str | None = None
+    """Set when NVML failed the sample for a reason that says nothing about the GPU (e.g. NVML_ERROR_UNKNOWN)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +345,8 @@ class NvmlBackend:
             utilization = probe(lambda: lib.nvmlDeviceGetUtilizationRates(h))
         except pynvml.NVMLError_GpuIsLost:
             return HealthReading(uuid=uuid, lost=True)
+        except pynvml.NVMLError as err:
+            return HealthReading(uuid=uuid, unreadable=str(err))
         return HealthReading(
             uuid=uuid,
             ecc_uncorrected_volatile=None if ecc is None else int(ecc),
