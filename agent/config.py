@@ -151,6 +151,15 @@ class HealthSettings(_Strict):
     """Taint the node when at least this many GPUs are unhealthy; 0 turns this off."""
     taint: TaintSettings = TaintSettings()
 
+    @field_validator("xid", mode="before")
+    @classmethod
+    def _numeric_keys(cls, value: object) -> object:
+        if isinstance(value, dict):
+            for key in value:
+                if isinstance(key, bool) or not isinstance(key, int):
+                    raise ValueError(f"XIDs are numbers 1..1023, got the key {key!r}")
+        return value
+
     @field_validator("xid", mode="after")
     @classmethod
     def _merge_defaults(cls, value: dict[int, Action]) -> dict[int, Action]:

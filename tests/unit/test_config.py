@@ -49,6 +49,18 @@ def test_bad_config_is_named(text: str, message: str) -> None:
     assert str(caught.value).startswith(message)
 
 
+def test_xid_keys_must_be_numbers() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nhealth: {xid: {true: warn}}\n", "c")
+    assert str(caught.value) == "c: health.xid: XIDs are numbers 1..1023, got the key True"
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nhealth: {xid: {0: ignore, '13': warn}}\n", "c")
+    assert str(caught.value) == "c: health.xid: XIDs are numbers 1..1023, got the key '13'"
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nhealth: {xid: {0: ignore}}\n", "c")
+    assert str(caught.value) == "c: health.xid[0]: bad key: Input should be greater than or equal to 1"
+
+
 def test_every_problem_gets_a_line() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config("version: v1\nflags:\n  bogus: 1\n  plugin:\n    deviceIDStrategy: serial\n", "c")
