@@ -102,6 +102,7 @@ class ResourcePlugin:
 
     async def serve(self) -> Path:
         await self.stop()
+        self.servicer.open()
         self._generation += 1
         path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
         server = grpc.aio.server()
@@ -131,6 +132,7 @@ class ResourcePlugin:
         serving, self._serving = self._serving, None
         if serving is None:
             return
+        self.servicer.close()  # streams end now; the grace is for Allocate calls in flight
         await serving.server.stop(grace)
         # Remove the socket only if it is still ours: a restarted kubelet may have cleaned it already.
         if _inode(serving.socket) == serving.identity:

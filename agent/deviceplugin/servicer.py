@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -91,6 +92,15 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._bus = bus
         self._plan_of = plan_of
         self._prefer_for = prefer_for
+        self._closing = asyncio.Event()
+
+    def open(self) -> None:
+        """Streams opened from now on run until close()."""
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End every open ListAndWatch stream (the server is about to stop)."""
+        self._closing.set()
 
     def _resource(self, state: NodeState) -> Resource:
         return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
@@ -109,16 +119,21 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         state = self._bus.current
         sent = self._resource(state).devices
         yield to_proto(sent)
-        while True:
-            state = await self._bus.wait_newer(state.version)
+        closing = self._closing
+        while not closing.is_set():
+            newer = asyncio.ensure_future(self._bus.wait_newer(state.version))
+            closed = asyncio.ensure_future(closing.wait())
+            await asyncio.wait({newer, closed}, return_when=asyncio.FIRST_COMPLETED)
+            closed.cancel()
+            if not newer.done():
+                newer.cancel()
+                return  # the server is stopping: end the stream so shutdown need not wait for it
+            state = newer.result()
             devices = self._resource(state).devices
             if devices != sent:
                 sent = devices
-                log.info(
-                    "ListAndWatch update",
-                    extra={"resource": self.resource, "devices": len(devices),
-                           "healthy": sum(d.healthy for d in devices)},
-                )
+                log.info("ListAndWatch update for %s: %d devices, %d healthy",
+                         self.resource, len(devices), sum(d.healthy for d in devices))
                 yield to_proto(devices)
 
     async def GetPreferredAllocation(
