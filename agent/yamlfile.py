@@ -3,13 +3,23 @@ library turned into one line, so no input can crash a parser."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import yaml
 
 MAX_INT_BITS = 4000
 """Numbers in config and layout files are small; a larger one is refused rather than carried around."""
+
+
+class FileProblems(ValueError):
+    """An input file that cannot be used: one line per problem, each naming the file, the key path and why."""
+
+    def __init__(self, origin: str, problems: Iterable[tuple[str, str]]) -> None:
+        self.origin = origin
+        self.problems = list(problems)
+        self.lines = [": ".join(part for part in (origin, path, reason) if part) for path, reason in self.problems]
+        super().__init__("\n".join(self.lines))
 
 
 class YamlProblem(ValueError):

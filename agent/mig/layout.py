@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from agent.yamlfile import YamlProblem, load_yaml
+from agent.yamlfile import FileProblems, YamlProblem, load_yaml
 
 DEFAULT_LAYOUTS = "default-layouts.yaml"
 """The layout file shipped with the agent (package data of agent.mig)."""
@@ -25,14 +25,8 @@ _SUBSYSTEM_RE = re.compile(r"0[xX][0-9A-Fa-f]{8}:0[xX][0-9A-Fa-f]{8}")
 _LABEL_VALUE_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
-class LayoutError(ValueError):
+class LayoutError(FileProblems):
     """A layout file or selection that cannot be used: one line per problem, naming origin and key path."""
-
-    def __init__(self, origin: str, problems: Iterable[tuple[str, str]]) -> None:
-        self.origin = origin
-        self.problems = list(problems)
-        self.lines = [": ".join(part for part in (origin, path, reason) if part) for path, reason in self.problems]
-        super().__init__("\n".join(self.lines))
 
 
 # --- profile names -------------------------------------------------------------------------------------

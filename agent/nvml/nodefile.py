@@ -16,7 +16,7 @@ import pynvml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.nvml.catalog import GpuModel, UnknownGpuModel, lookup
-from agent.yamlfile import YamlProblem, load_yaml
+from agent.yamlfile import FileProblems, YamlProblem, load_yaml
 
 PcieLevel = Literal["single", "multiple", "hostbridge", "node", "system"]
 PCIE_LEVELS: tuple[str, ...] = get_args(PcieLevel)
@@ -39,14 +39,8 @@ _DRIVER_RE = re.compile(r"\d+\.\d+(\.\d+)?")
 _CUDA_RE = re.compile(r"\d+\.\d+")
 
 
-class NodeFileError(ValueError):
+class NodeFileError(FileProblems):
     """A node file or preset that cannot be used: one line per problem, naming origin and key path."""
-
-    def __init__(self, origin: str, problems: list[tuple[str, str]]) -> None:
-        self.origin = origin
-        self.problems = problems
-        self.lines = [": ".join(part for part in (origin, path, reason) if part) for path, reason in problems]
-        super().__init__("\n".join(self.lines))
 
 
 def normalize_bus_id(text: str) -> str | None:
