@@ -11,5 +11,6 @@ stage() {
 }
 stage "lint (ruff, mypy --strict)" make --no-print-directory lint
 if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl)" hack/testbin.sh; fi
+if [ -x hack/helm.sh ]; then stage "helm (for the chart tests)" hack/helm.sh; fi
 if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-harness.sh; fi
 stage "pytest" .venv/bin/pytest -q
