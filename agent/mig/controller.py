@@ -17,7 +17,7 @@ from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import MigOps, NvmlBackend
-from agent.podresources import PodResourcesUnavailable, holders
+from agent.podresources import DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,17 @@ T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 BUSY_POLL_S = 2.0
+
+
+def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
+    """Why the layout must wait: the GPUs that pods actually hold (a MIG device or a shared replica counts for
+    its GPU), and each of those pods once."""
+    gpu_of = {g.uuid: g.index for g in state.inventory.gpus}
+    gpu_of.update({m.uuid: m.parent_index for m in state.inventory.mig_devices})
+    held = sorted({gpu_of[base] for h in busy if (base := h.device_id.split("::", 1)[0]) in gpu_of})
+    pods = ", ".join(dict.fromkeys(f"{h.namespace}/{h.pod}" for h in busy))
+    which = f"GPU {held[0]} is" if len(held) == 1 else f"GPUs {', '.join(map(str, held))} are"
+    return f"{which} in use{waited} by {pods}"
 
 
 class MigController:
@@ -77,7 +88,7 @@ class MigController:
                 return None
             if loop.time() >= deadline:
                 waited = f" after waiting {settings.busy_wait_seconds:g}s" if settings.busy_policy == "wait" else ""
-                return f"GPUs {sorted(changing)} are in use{waited} by " + ", ".join(str(h) for h in busy)
+                return _in_use(state, busy, waited)
             await asyncio.sleep(BUSY_POLL_S)
 
     async def apply(self, name: str) -> MigStatus:

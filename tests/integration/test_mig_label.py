@@ -124,17 +124,18 @@ async def test_impossible_layout_is_refused_before_anything_changes(tmp_path: Pa
 
 async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
     async with mig_node() as (agent, node, _, kubelet, directory):
-        uuid = agent.bus.current.inventory.gpus[2].uuid  # type: ignore[union-attr]
+        gpus = agent.bus.current.inventory.gpus  # type: ignore[union-attr]
+        # trainer-0 holds GPUs 2 and 5 in one container; eval-0 holds GPU 5 too (a second container would be
+        # another pod entry with the same GPU): the reason names the two held GPUs and each pod once.
+        holding = {"trainer-0": [gpus[5].uuid, gpus[2].uuid], "eval-0": [gpus[5].uuid]}
         server = grpc.aio.server()
-        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources({"trainer-0": [uuid]}), server)
+        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources(holding), server)
         server.add_insecure_port(f"unix://{directory}/pr.sock")
         await server.start()
         try:
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
             await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
-            assert node.view.annotations[REASON] == (
-                f"GPUs [0, 1, 2, 3, 4, 5, 6, 7] are in use by ml/trainer-0 (train, nvidia.com/gpu {uuid})"
-            )
+            assert node.view.annotations[REASON] == "GPUs 2, 5 are in use by ml/trainer-0, ml/eval-0"
             await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
             assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)  # type: ignore[union-attr]
         finally:
