@@ -92,6 +92,7 @@ def parser() -> argparse.ArgumentParser:
     mig.add_argument("--state-dir", type=Path, default=Path("/var/lib/gpu-node-agent"),
                      help="where the apply journal is kept (default: %(default)s)")
     mig.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_fault_parser(sub)
     return top
 
 
@@ -306,7 +307,64 @@ def cmd_mig(args: argparse.Namespace) -> int:
         backend.shutdown()
 
 
-COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "simulate": cmd_simulate, "mig": cmd_mig}
+FAULTS = {
+    "xid": "raise an XID critical-error event on GPU (VALUE: the XID number)",
+    "lost": "make GPU fall off the bus: every NVML call about it fails with GpuIsLost",
+    "ecc": "set GPU's volatile uncorrected ECC error count (VALUE: the count)",
+    "clear": "undo lost and uncorrected ECC on GPU (an XID is an event: the agent's recovery checks clear it)",
+}
+
+
+def _add_fault_parser(sub: Any) -> None:
+    fault = sub.add_parser(
+        "fault", help="inject a GPU fault into a running agent's fake NVML (through its --mock-state file)",
+        description="Change the fake NVML's state in the --mock-state file that a running `gpu-agent run "
+                    "--nvml mock:...` shares; that agent picks the change up at its next NVML call. "
+                    + "; ".join(f"{name}: {what}" for name, what in FAULTS.items()) + ".")
+    fault.add_argument("--nvml", required=True, metavar="mock:PRESET|mock:FILE",
+                       help="the same mock node as the running agent's --nvml")
+    fault.add_argument("--mock-state", required=True, type=Path, metavar="FILE",
+                       help="the running agent's --mock-state file")
+    fault.add_argument("action", choices=tuple(FAULTS), help="what to do to the GPU")
+    fault.add_argument("gpu", metavar="GPU", help="GPU index")
+    fault.add_argument("value", nargs="?", metavar="VALUE", help="XID number (xid) or error count (ecc)")
+
+
+def cmd_fault(args: argparse.Namespace) -> int:
+    if not args.nvml.startswith("mock:"):
+        raise CliError(f"--nvml must name the mock node (mock:PRESET or mock:FILE), got {args.nvml!r}")
+    if not args.gpu.isdigit():
+        raise CliError(f"GPU must be a GPU index (a number), got {args.gpu!r}")
+    needs_value = args.action in ("xid", "ecc")
+    if needs_value and (args.value is None or not args.value.isdigit()):
+        raise CliError(f"{args.action} needs a VALUE that is a number, got {args.value!r}")
+    if not needs_value and args.value is not None:
+        raise CliError(f"{args.action} takes no VALUE, got {args.value!r}")
+    if not args.mock_state.parent.is_dir():
+        raise CliError(f"the directory of --mock-state {args.mock_state} does not exist")
+    backend = _backend(args.nvml, args.mock_state)
+    fake = backend.lib
+    gpu, value = int(args.gpu), int(args.value or 0)
+    try:
+        if args.action == "xid":
+            fake.inject_xid(gpu, value)
+        elif args.action == "lost":
+            fake.set_gpu_lost(gpu, True)
+        elif args.action == "ecc":
+            fake.set_ecc_uncorrected(gpu, value)
+        else:
+            fake.set_gpu_lost(gpu, False)
+            fake.set_ecc_uncorrected(gpu, 0)
+    except (IndexError, ValueError) as err:
+        raise CliError(str(err)) from err
+    except OSError as err:
+        raise CliError(f"cannot write {args.mock_state}: {err.strerror}") from err
+    shown = f" {value}" if needs_value else ""
+    print(f"GPU {gpu}: {args.action}{shown} written to {args.mock_state}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "simulate": cmd_simulate, "mig": cmd_mig, "fault": cmd_fault}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
