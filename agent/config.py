@@ -169,6 +169,14 @@ class HealthSettings(_Strict):
         return self.xid.get(xid, self.xid_default)
 
 
+class TelemetrySettings(_Strict):
+    dcgm_metrics: bool = Field(default=True, alias="dcgmMetrics")
+    """Serve dcgm-exporter's default counters (DCGM_FI_*) on /metrics; off for clusters that keep dcgm-exporter."""
+    interval_seconds: float = Field(default=10.0, ge=1, le=3600, alias="intervalSeconds")
+    """How often NVML is read for them (and the kubelet asked which pods hold which devices); scrapes read the
+    last pass."""
+
+
 class MigSettings(_Strict):
     layouts_file: Path | None = Field(default=None, alias="layoutsFile")
     """MIG layouts in the mig-parted v1 format; None uses the layouts shipped with the agent."""
@@ -188,6 +196,7 @@ class AgentConfig(_Strict):
     sharing: Sharing = Sharing()
     health: HealthSettings = HealthSettings()
     mig: MigSettings = MigSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
 
 DEFAULT_CONFIG = AgentConfig(version="v1")

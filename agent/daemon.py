@@ -24,6 +24,8 @@ from agent.metrics import HttpEndpoint, Metrics
 from agent.mig.controller import MigController
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
+from agent.telemetry.collector import TelemetryCollector
+from agent.telemetry.exposition import renderer
 from agent.topology.prefer import Preferences
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class Agent:
         self.plugins: PluginSet | None = None
         self.reconciler: NodeReconciler | None = None
         self.monitor: HealthMonitor | None = None
+        self.telemetry: TelemetryCollector | None = None
         self.mig: MigController | None = None
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,6 +147,10 @@ class Agent:
         self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
+        self.telemetry = telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: monitor.xid_counts)
+        self.metrics.watch_ready(self.ready)
+        self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
+        self._spawn("telemetry", telemetry.run)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
         self._spawn("mig", self.mig.run)
         self._spawn("withheld-resources", self._follow_problems)

@@ -1,5 +1,8 @@
 """Prometheus metrics over the newest NodeState and the health monitor's latest sample, and the /healthz and
-/readyz endpoints. A scrape reads snapshots; it never calls NVML."""
+/readyz endpoints. A scrape reads snapshots; it never calls NVML.
+
+Two families share /metrics: the agent's own (gpu_agent_*, through prometheus_client) and dcgm-exporter's
+(DCGM_FI_*, rendered by agent.telemetry.exposition and appended); docs/metrics.md lists both."""
 
 from __future__ import annotations
 
@@ -20,6 +23,14 @@ from agent.state import StateBus
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+
+THROTTLE_REASONS: dict[str, int] = {
+    "thermal": 0x20 | 0x40,
+    "power_cap": 0x04,
+    "power_brake": 0x80,
+}
+"""Clock-event reason bits (nvmlClocksEventReason*) behind gpu_agent_gpu_throttled: Sw/HwThermalSlowdown,
+SwPowerCap, HwPowerBrakeSlowdown."""
 
 
 class Metrics:
@@ -42,10 +53,35 @@ class Metrics:
         self.mig_seconds = Histogram("gpu_agent_mig_reconfiguration_seconds", "Time to apply a MIG layout.",
                                      buckets=(1, 5, 15, 30, 60, 120, 300, 600), registry=r)
 
+    _extra: tuple[Callable[[], bytes], ...] = ()
+
+    def serve_also(self, render: Callable[[], bytes]) -> None:
+        """Append another family's exposition text to every /metrics response."""
+        self._extra = (*self._extra, render)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry) + b"".join(render() for render in self._extra)
+
+    def watch_ready(self, ready: Callable[[], tuple[bool, str]]) -> None:
+        self.registry.register(ReadyCollector(ready))
+
     def watch(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]],
               telemetry: Callable[[], Mapping[str, HealthReading]],
               xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self.registry.register(StateCollector(bus, devices, telemetry, xids))
+
+
+class ReadyCollector(Collector):
+    def __init__(self, ready: Callable[[], tuple[bool, str]]) -> None:
+        self._ready = ready
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("gpu_agent_ready", "1 when /readyz answers ready, 0 when not.")
+        family.add_metric([], 1 if self._ready()[0] else 0)
+        yield family
 
 
 class StateCollector(Collector):
@@ -94,6 +130,26 @@ class StateCollector(Collector):
                 if value is not None:
                     family.add_metric([index, uuid], value)
             yield family
+        lost = GaugeMetricFamily("gpu_agent_gpu_lost", "1 when the GPU has fallen off the bus (NVML GpuIsLost).",
+                                 labels=labels)
+        ecc = GaugeMetricFamily("gpu_agent_gpu_ecc_uncorrected_errors",
+                                "Uncorrected ECC errors since the last GPU reset (volatile count).", labels=labels)
+        throttled = GaugeMetricFamily("gpu_agent_gpu_throttled",
+                                      "1 while the GPU's clocks are held down for this reason.",
+                                      labels=[*labels, "reason"])
+        for index, uuid in gpus:
+            reading = readings.get(uuid)
+            if reading is None:
+                continue
+            lost.add_metric([index, uuid], 1 if reading.lost else 0)
+            if reading.ecc_uncorrected_volatile is not None:
+                ecc.add_metric([index, uuid], reading.ecc_uncorrected_volatile)
+            if reading.clock_event_reasons is not None:
+                for reason, bits in THROTTLE_REASONS.items():
+                    throttled.add_metric([index, uuid, reason], 1 if reading.clock_event_reasons & bits else 0)
+        yield lost
+        yield ecc
+        yield throttled
         xid = CounterMetricFamily("gpu_agent_gpu_xid_errors", "XID events seen, by GPU and code.",
                                   labels=["gpu", "uuid", "xid"])
         index_of = {uuid: index for index, uuid in gpus}
@@ -134,7 +190,7 @@ class HttpEndpoint:
 
     def respond(self, path: str) -> tuple[int, str, bytes]:
         if path == "/metrics":
-            return 200, "text/plain; version=0.0.4", generate_latest(self._metrics.registry)
+            return 200, "text/plain; version=0.0.4", self._metrics.exposition()
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":

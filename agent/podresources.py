@@ -33,7 +33,16 @@ class DeviceHolder:
 async def holders(socket: Path, device_ids: Collection[str]) -> list[DeviceHolder]:
     """The containers holding any of `device_ids` (replica IDs count for their GPU: `<id>::<n>`)."""
     wanted = set(device_ids)
-    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+    return [h for h in await allocations(socket)
+            if h.device_id in wanted or h.device_id.split("::", 1)[0] in wanted]
+
+
+async def allocations(socket: Path) -> list[DeviceHolder]:
+    """Every device the kubelet reports as held by a container, from one List call."""
+    # A channel of its own subchannels: a failed dial (the kubelet restarting) must not leave a shared connection
+    # in backoff for the next caller.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(f"unix://{socket}", options=options) as channel:
         stub = api_pb2_grpc.PodResourcesListerStub(channel)
         try:
             response = await stub.List(api_pb2.ListPodResourcesRequest(), timeout=TIMEOUT_S)
@@ -45,7 +54,6 @@ async def holders(socket: Path, device_ids: Collection[str]) -> list[DeviceHolde
         for container in pod.containers:
             for devices in container.devices:
                 for device_id in devices.device_ids:
-                    if device_id in wanted or device_id.split("::", 1)[0] in wanted:
-                        found.append(DeviceHolder(pod.namespace, pod.name, container.name, devices.resource_name,
-                                                  device_id))
+                    found.append(DeviceHolder(pod.namespace, pod.name, container.name, devices.resource_name,
+                                              device_id))
     return found

@@ -20,6 +20,7 @@ import pynvml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agent.nvml.catalog import MIB, GpuModel, MigProfile, Placement
+from agent.nvml.fake_telemetry import TELEMETRY_FUNCTIONS, FakeTelemetry
 from agent.nvml.nodefile import GpuSpec, NodeSpec, normalize_bus_id
 
 P = ParamSpec("P")
@@ -313,11 +314,11 @@ def _fault(fn: Callable[Concatenate[FakeNvml, P], R]) -> Callable[Concatenate[Fa
     return call
 
 
-API_FUNCTIONS: set[str] = set()
+API_FUNCTIONS: set[str] = set(TELEMETRY_FUNCTIONS)
 """Names of the pynvml functions the fake implements (filled as the class body is evaluated)."""
 
 
-class FakeNvml:
+class FakeNvml(FakeTelemetry):
     """A simulated NVML driver for ``spec``; ``state_file`` shares its mutable state across processes.
 
     The methods have pynvml's names, positional signatures, return shapes and errors, so code written
@@ -837,11 +838,14 @@ class FakeNvml:
             total = self._profile_for(gi, model).memory_size_mib * MIB
         else:
             total = model.memory_mib * MIB
+        mig_uuid = self.mig_uuid(ref.gpu, ref.gi, ref.ci) if ref.kind == _KIND_MIG else None
+        used, reserved = self._live_memory(ref.gpu, total, mig_uuid)
         if not version:
-            return pynvml.c_nvmlMemory_t(total=total, free=total, used=0)
+            return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
         if version != pynvml.nvmlMemory_v2:
             raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
-        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=0, free=total, used=0)
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved,
+                                        free=total - used - reserved, used=used)
 
     @_api()
     def nvmlDeviceGetArchitecture(self, handle: Any) -> int:
@@ -1306,19 +1310,22 @@ class FakeNvml:
         ref = self._device(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return self._gpu_state(ref.gpu).temperature_c
+        return self._live_temperature(ref.gpu, self._gpu_state(ref.gpu).temperature_c)
 
     @_api()
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
-        return self._gpu_state(self._device(handle).gpu).power_mw
+        ref = self._device(handle)
+        return self._live_power_mw(ref.gpu, self._gpu_state(ref.gpu).power_mw)
 
     @_api()
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         """Busy percentages over the last sample period; NotSupported with MIG on, as on real GPUs."""
-        state = self._gpu_state(self._device(handle).gpu)
+        ref = self._device(handle)
+        state = self._gpu_state(ref.gpu)
         if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
             raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return pynvml.c_nvmlUtilization_t(state.utilization_gpu, state.utilization_memory)
+        return pynvml.c_nvmlUtilization_t(*self._live_utilization(ref.gpu, state.utilization_gpu,
+                                                                  state.utilization_memory))
 
     # ===============================================================================================
     # Fault injection and simulated operator actions (not pynvml functions; no nvmlInit needed)

@@ -1,0 +1,144 @@
+"""The collection task: every interval, one NVML pass over all devices and one PodResources List, kept as an
+immutable snapshot that scrapes read (a scrape never calls NVML or the kubelet)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fields import DeviceReading, FieldReader
+from agent.podresources import PodResourcesUnavailable, allocations
+from agent.state import StateBus
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A container holding a device."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one pass found; replaced whole."""
+
+    readings: tuple[DeviceReading, ...] = ()
+    holders: Mapping[str, tuple[Holder, ...]] = field(default_factory=dict)
+    """Containers by the GPU or MIG UUID they hold (replicas count for their device)."""
+    last_xid: Mapping[str, int] = field(default_factory=dict)
+    """The last XID of each GPU, by UUID."""
+    taken_at: float = 0.0
+
+
+def holders_by_device(found: list[Any]) -> dict[str, tuple[Holder, ...]]:
+    """Group PodResources holders by device (a replica ID ``<id>::<n>`` counts for ``<id>``); each container once."""
+    grouped: dict[str, list[Holder]] = {}
+    for h in found:
+        device = h.device_id.split("::", 1)[0]
+        holder = Holder(h.namespace, h.pod, h.container)
+        if holder not in grouped.setdefault(device, []):
+            grouped[device].append(holder)
+    return {device: tuple(sorted(hs, key=lambda x: (x.namespace, x.pod, x.container)))
+            for device, hs in grouped.items()}
+
+
+class TelemetryCollector:
+    """Producer of the dcgm-family snapshot."""
+
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any],
+                 xid_counts: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+        self._bus = bus
+        self._nvml = nvml
+        self._xid_counts = xid_counts
+        self._seen_xids: dict[tuple[str, int], int] = {}
+        self._last_xid: dict[str, int] = {}
+        self._podresources_down: str | None = None
+        self.reader = FieldReader(backend)
+        self.snapshot = Snapshot()
+        self.passes = 0
+        self.nvml_calls = 0
+        """NVML calls the last pass made."""
+        self.pass_seconds = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self._bus.current.config.telemetry.dcgm_metrics
+
+    @property
+    def _socket(self) -> Path:
+        return self._bus.current.config.mig.pod_resources_socket
+
+    def _note_xids(self) -> dict[str, int]:
+        """The newest XID per GPU: the code whose count rose since the last pass (the highest, when several did)."""
+        counts = dict(self._xid_counts())
+        risen: dict[str, list[int]] = {}
+        for (uuid, code), count in counts.items():
+            if count > self._seen_xids.get((uuid, code), 0):
+                risen.setdefault(uuid, []).append(code)
+        for uuid, codes in risen.items():
+            self._last_xid[uuid] = max(codes)
+        self._seen_xids = counts
+        return dict(self._last_xid)
+
+    async def _holders(self) -> dict[str, tuple[Holder, ...]]:
+        try:
+            found = await allocations(self._socket)
+        except PodResourcesUnavailable as err:
+            if self._podresources_down != str(err):
+                log.warning("no pod attribution on GPU metrics: %s", err)
+                self._podresources_down = str(err)
+            return {}
+        if self._podresources_down is not None:
+            log.info("kubelet PodResources answers again: pod attribution on GPU metrics resumed")
+            self._podresources_down = None
+        return holders_by_device(found)
+
+    async def collect_once(self) -> Snapshot:
+        started = time.perf_counter()
+        holders = await self._holders()
+        inventory = self._bus.current.inventory
+
+        def read() -> tuple[DeviceReading, ...]:
+            self.reader.note_allocated(holders)
+            return self.reader.read(inventory)
+
+        readings = await self._nvml(read)
+        self.nvml_calls = self.reader.calls
+        self.snapshot = Snapshot(readings, holders, self._note_xids(), time.time())
+        self.passes += 1
+        self.pass_seconds = time.perf_counter() - started
+        return self.snapshot
+
+    async def run(self) -> None:
+        try:
+            while True:
+                state = self._bus.current
+                if self.enabled:
+                    await self.collect_once()
+                else:
+                    self.snapshot = Snapshot()
+                interval = state.config.telemetry.interval_seconds
+                # A config change (the family switched on or off, another interval) starts a pass at once.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._config_change(state.config), interval)
+        finally:
+            await self._nvml(self.reader.close)
+
+    async def _config_change(self, config: object) -> None:
+        state = self._bus.current
+        while state.config.telemetry == getattr(config, "telemetry", None):
+            state = await self._bus.wait_newer(state.version)
