@@ -64,14 +64,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- join "\n" $parts }}
 {{- end }}
 
+{{/* The existing ConfigMap of named configs: config.existingConfigMap, or config.name as NVIDIA's
+device-plugin chart calls it. */}}
+{{- define "gpu-node-agent.existingConfigMap" -}}
+{{- default .Values.config.name .Values.config.existingConfigMap }}
+{{- end }}
+
 {{/* True (non-empty) when the agent reads a directory of named configs rather than one file. */}}
 {{- define "gpu-node-agent.namedConfigs" -}}
-{{- if or .Values.config.map .Values.config.existingConfigMap }}true{{ end }}
+{{- if or .Values.config.map (include "gpu-node-agent.existingConfigMap" .) }}true{{ end }}
 {{- end }}
 
 {{/* The ConfigMap holding the agent's config(s). */}}
 {{- define "gpu-node-agent.configMapName" -}}
-{{- default (printf "%s-config" (include "gpu-node-agent.fullname" .)) .Values.config.existingConfigMap }}
+{{- default (printf "%s-config" (include "gpu-node-agent.fullname" .)) (include "gpu-node-agent.existingConfigMap" .) }}
 {{- end }}
 
 {{/* The ConfigMap holding the MIG layouts, and its key. */}}
@@ -85,7 +91,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{/* Values that contradict each other: one line naming them, and nothing rendered. */}}
 {{- define "gpu-node-agent.validate" -}}
 {{- $map := .Values.config.map | default dict }}
-{{- if and $map .Values.config.existingConfigMap }}
+{{- if and .Values.config.name .Values.config.existingConfigMap (ne .Values.config.name .Values.config.existingConfigMap) }}
+{{- fail (printf "config.name (%s) and config.existingConfigMap (%s) name different ConfigMaps: set one of them" .Values.config.name .Values.config.existingConfigMap) }}
+{{- end }}
+{{- if and $map (include "gpu-node-agent.existingConfigMap" .) }}
 {{- fail "config.map and config.existingConfigMap are both set: give the named configs in one of them" }}
 {{- end }}
 {{- if and (gt (len $map) 1) (not (hasKey $map "default")) }}
