@@ -23,6 +23,7 @@ from test_manifests_apply import (
     POLICY_DENIAL,
     RENDERED,
     User,
+    apply_base,
     bound_token_kubeconfig,
     identity,
     kubectl,
@@ -35,15 +36,16 @@ from test_manifests_apply import (
 from agent.config import load_config, parse_config
 from agent.mig.layout import default_layouts_text, parse_layouts
 
-pytestmark = pytest.mark.testbin
+# The first test builds helm when `make test` has not (a cold build takes about six minutes on two busy cores).
+pytestmark = [pytest.mark.testbin, pytest.mark.timeout(900)]
 
 HELM = TESTBIN / "helm"
 HELM_SCRIPT = REPO / "hack" / "helm.sh"
 CHART = REPO / "deployments" / "helm" / "gpu-node-agent"
 RELEASE = "gpu-node-agent"
 
-# What Helm adds to the base's labels: every object's metadata.labels get these four; the DaemonSet's pod template
-# gets app.kubernetes.io/instance only (its selector stays the base's, so the chart can take over its DaemonSet).
+# What Helm adds to the base's labels: every object's metadata.labels get these four. The DaemonSet's selector and pod
+# template keep the base's labels, so the chart can take over the base's DaemonSet without rolling its pods.
 HELM_LABELS = {
     "app.kubernetes.io/instance": "gpu-node-agent",
     "app.kubernetes.io/version": "0.1.0",
@@ -204,12 +206,17 @@ def test_default_values_render_the_kustomize_base(helm: Helm) -> None:
         labels = doc["metadata"]["labels"]
         added = {key: labels.pop(key) for key in HELM_LABELS if key in labels}
         assert added == HELM_LABELS, identity(doc)
-    template_labels = daemonset(chart)["spec"]["template"]["metadata"]["labels"]
-    assert template_labels.pop("app.kubernetes.io/instance") == "gpu-node-agent"
     # Object for object, field for field, the base once Helm's labels are set aside.
     expected = by_identity(base)
     for key, doc in by_identity(chart).items():
         assert doc == expected[key], key
+
+
+def test_the_admission_policy_is_the_base_s() -> None:
+    # The chart renders the base's policy with its own names; after a change to the base:
+    #   cp daemonset/validatingadmissionpolicy.yaml deployments/helm/gpu-node-agent/files/
+    chart_copy = CHART / "files" / "validatingadmissionpolicy.yaml"
+    assert chart_copy.read_text() == (BASE / "validatingadmissionpolicy.yaml").read_text()
 
 
 def test_default_mig_layouts_are_the_ones_the_agent_ships(helm: Helm) -> None:
@@ -572,23 +579,70 @@ def admin(rig: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> User:
 
 @pytest.fixture(scope="module")
 def installed(helm: Helm, rig: ApiServer, admin: User) -> str:
-    """`helm install gpu-node-agent` with the default values; the release stays in the namespace `default`."""
-    result = helm("install", RELEASE, str(CHART), kubeconfig=rig.kubeconfig_path)
+    """The move from the kustomize base to the chart: the base applied with kubectl, then `helm install gpu-node-agent
+    --take-ownership` with the default values. The release stays in the namespace `default`."""
+    apply_base(admin)
+    before = json.loads(ok(admin("get", "-k", str(BASE), "-o", "json")))["items"]
+    # Without --take-ownership Helm refuses objects it did not create, and installs nothing.
+    refused = helm("install", RELEASE, str(CHART), kubeconfig=rig.kubeconfig_path)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(
+        'Error: INSTALLATION FAILED: Unable to continue with install: Namespace "gpu-node-agent" in namespace "" '
+        "exists and cannot be imported into the current release: invalid ownership metadata"
+    ), refused.stderr
+    assert ok(helm("list", "--all", "-q", kubeconfig=rig.kubeconfig_path)) == ""
+
+    result = helm("install", RELEASE, str(CHART), "--take-ownership", kubeconfig=rig.kubeconfig_path)
     # No warnings either: the server found nothing deprecated or dubious in any object.
     assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    after = json.loads(ok(admin("get", "-k", str(BASE), "-o", "json")))["items"]
+    assert [identity(doc) for doc in after] == [identity(doc) for doc in before]
+    for old, new in zip(before, after, strict=True):
+        assert new["metadata"]["labels"] == old["metadata"]["labels"] | HELM_LABELS, identity(new)
+        annotations = new["metadata"]["annotations"]
+        assert (annotations["meta.helm.sh/release-name"], annotations["meta.helm.sh/release-namespace"]) == (
+            RELEASE, "default",
+        ), identity(new)  # fmt: skip
+        if new["kind"] == "DaemonSet":
+            # The pods' template is the base's: taking over rolled no agent.
+            assert new["metadata"]["generation"] == old["metadata"]["generation"] == 1
+            assert new["spec"]["template"] == old["spec"]["template"]
     return result.stdout
 
 
-def test_helm_install_creates_the_objects_of_the_base(installed: str, admin: User) -> None:
+def test_helm_install_takes_over_the_objects_of_the_base(installed: str, admin: User) -> None:
     lines = installed.splitlines()
     assert lines[0] == f"NAME: {RELEASE}"
     assert lines[2:5] == ["NAMESPACE: default", "STATUS: deployed", "REVISION: 1"]
     assert ok(admin("get", "-k", str(BASE), "-o", "name")).splitlines() == APPLIED
-    # The base applied over the chart's objects (a move from kustomize to Helm, or a second writer): nothing to
-    # conflict with, nothing deprecated.
+    # The base applied again over the chart's objects (a second writer, or a way back): nothing to conflict with.
     dry = admin("apply", "--server-side", "--dry-run=server", "-k", str(BASE))
     assert (dry.returncode, dry.stderr) == (0, ""), dry.stderr
     assert dry.stdout.splitlines() == [f"{name} serverside-applied (server dry run)" for name in APPLIED]
+
+
+def test_helm_install_into_the_release_namespace(helm: Helm, installed: str, rig: ApiServer, admin: User) -> None:
+    """The README's other way: the objects in the release's own namespace, created and labelled beforehand."""
+    ok(admin("create", "namespace", "gpu-system"))
+    ok(admin("label", "namespace", "gpu-system", "pod-security.kubernetes.io/enforce=privileged"))
+    result = helm(
+        "install", "lab", str(CHART), "--namespace", "gpu-system", "--set", "namespaceOverride=",
+        "--set", "createNamespace=false", kubeconfig=rig.kubeconfig_path,
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert "STATUS: deployed" in result.stdout.splitlines()
+    names = ok(admin("get", "daemonset,serviceaccount,configmap", "-n", "gpu-system", "-o", "name",
+                     "-l", "app.kubernetes.io/instance=lab"))  # fmt: skip
+    assert names.splitlines() == [
+        "daemonset.apps/lab-gpu-node-agent",
+        "serviceaccount/lab-gpu-node-agent",
+        "configmap/lab-gpu-node-agent-config",
+        "configmap/lab-gpu-node-agent-mig-layouts",
+    ]
+    releases = json.loads(ok(helm("list", "-A", "-o", "json", kubeconfig=rig.kubeconfig_path)))
+    assert sorted((r["name"], r["namespace"], r["status"]) for r in releases) == [
+        ("gpu-node-agent", "default", "deployed"), ("lab", "gpu-system", "deployed"),
+    ]  # fmt: skip
 
 
 def test_agent_token_of_the_helm_installed_agent(installed: str, rig: ApiServer, admin: User, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@
 {{- end }}
 
 {{/* Labels of the pods, and the DaemonSet's selector: the kustomize base's, so that the chart can
-take over a DaemonSet the base created (a selector cannot change). */}}
+take over a DaemonSet the base created (a selector cannot change) without rolling its pods. */}}
 {{- define "gpu-node-agent.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "gpu-node-agent.name" . }}
 {{- end }}
