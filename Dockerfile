@@ -13,6 +13,8 @@
 #
 # For reproducible builds pin the base image by digest:
 #   --build-arg PYTHON_IMAGE=python:3.11-slim@sha256:<digest>
+# Any Debian or Ubuntu image with python3 and python3-venv works as the base too (hack/cluster builds
+# the image on one made locally with mmdebstrap).
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build
@@ -21,9 +23,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
 WORKDIR /src
 
-# The build backend for the agent's own wheel, pinned and hash-checked; it stays in this stage.
+# The build backend for the agent's own wheel, pinned and hash-checked, in a virtual environment of
+# its own that stays in this stage. Not in the base image's Python: Debian's and Ubuntu's python3 are
+# marked externally managed (PEP 668) and refuse pip installs; python:3.11-slim just has no marker.
 COPY requirements-build.lock ./
-RUN python -m pip install --require-hashes --no-deps --only-binary=:all: -r requirements-build.lock
+RUN python -m venv /opt/build \
+ && /opt/build/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements-build.lock
 
 # Runtime dependencies, every file checked against the lock's hashes. Wheels only: nothing is
 # compiled, so no compiler is needed here or present in the image.
@@ -38,7 +43,7 @@ RUN python -m venv /opt/gpu-node-agent \
 # filesystem Python could not rewrite stale bytecode and would recompile on every start.
 COPY pyproject.toml README.md ./
 COPY agent/ agent/
-RUN python -m pip wheel --no-build-isolation --no-deps --wheel-dir /tmp/wheels . \
+RUN /opt/build/bin/pip wheel --no-build-isolation --no-deps --wheel-dir /tmp/wheels . \
  && /opt/gpu-node-agent/bin/pip install --no-deps /tmp/wheels/gpu_node_agent-*.whl \
  && /opt/gpu-node-agent/bin/pip check \
  && /opt/gpu-node-agent/bin/pip uninstall --yes pip setuptools \

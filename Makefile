@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean
+.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean cluster cluster-down
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ testbin:
 
 kubelet-harness: testbin
 	hack/kubelet-harness.sh
+
+# A real single-node cluster on this machine (root): control plane, containerd, a kubelet, and the
+# agent's DaemonSet on the fake NVML of PRESET. hack/cluster/kubectl talks to it.
+PRESET ?= dgx-h100
+cluster: $(STAMP)
+	hack/cluster/up.sh $(PRESET)
+
+cluster-down:
+	hack/cluster/down.sh
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest tests/unit -q

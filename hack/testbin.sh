@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Builds the pinned kube-apiserver and etcd that the integration tests run
 # against, and the kubectl they drive it with, from the Go module proxy, into
-# .cache/testbin/.
+# .cache/testbin/; then the kubelet, kube-scheduler and kube-controller-manager
+# that the single-node cluster (hack/cluster/up.sh, tests/e2e) runs, from the
+# same wrapper module with the same flags, so they share one build cache.
 #
 # The pins live in hack/testbin/{kube,etcd}/go.mod (with committed go.sum);
 # this script reads them from there. A binary whose stamp matches is not
 # rebuilt, so running it again costs a fraction of a second.
 #
-# usage: hack/testbin.sh [--print-versions]
+# usage: hack/testbin.sh [--print-versions] [NAME...]
+#   NAME...  build only these (kube-apiserver kubectl etcd kubelet
+#            kube-scheduler kube-controller-manager); default: all of them
 set -euo pipefail
 
 # shellcheck source=hack/testbin/lib.sh
@@ -29,10 +33,22 @@ if [[ -z $kube_version || -z $etcd_version ]]; then
     exit 1
 fi
 
+kube_node_bins=(kubelet kube-scheduler kube-controller-manager)
+all_bins=(kube-apiserver kubectl etcd "${kube_node_bins[@]}")
 if [[ ${1:-} == --print-versions ]]; then
     printf 'kube-apiserver %s\nkubectl %s\netcd %s\n' "$kube_version" "$kube_version" "$etcd_version"
+    for name in "${kube_node_bins[@]}"; do printf '%s %s\n' "$name" "$kube_version"; done
     exit 0
 fi
+wanted=("$@")
+if ((${#wanted[@]} == 0)); then wanted=("${all_bins[@]}"); fi
+for name in "${wanted[@]}"; do
+    if [[ " ${all_bins[*]} " != *" $name "* ]]; then
+        log "unknown binary '$name' (known: ${all_bins[*]})"
+        exit 2
+    fi
+done
+want() { [[ " ${wanted[*]} " == *" $1 "* ]]; }
 
 # v1.34.4 -> major 1, minor 34: what `kubectl version` and /version report.
 # kube-apiserver and kubectl take the same flags, so they share one build cache.
@@ -53,7 +69,9 @@ lock_testbin
 
 kube_stamp=$(stamp_for "kube-apiserver $kube_version $kube_ldflags" \
     "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
-if is_current kube-apiserver "$kube_stamp"; then
+if ! want kube-apiserver; then
+    :
+elif is_current kube-apiserver "$kube_stamp"; then
     log "kube-apiserver $kube_version: up to date"
 else
     log "kube-apiserver $kube_version: building (cold: about 13 min on 2 busy cores)"
@@ -66,7 +84,9 @@ fi
 t_stage=$(date +%s.%N)
 kubectl_stamp=$(stamp_for "kubectl $kube_version $kube_ldflags" \
     "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
-if is_current kubectl "$kubectl_stamp"; then
+if ! want kubectl; then
+    :
+elif is_current kubectl "$kubectl_stamp"; then
     log "kubectl $kube_version: up to date"
 else
     log "kubectl $kube_version: building (about a minute after kube-apiserver)"
@@ -77,7 +97,9 @@ fi
 
 etcd_stamp=$(stamp_for "etcd $etcd_version $etcd_ldflags" \
     "$etcd_mod/go.mod" "$etcd_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
-if is_current etcd "$etcd_stamp"; then
+if ! want etcd; then
+    :
+elif is_current etcd "$etcd_stamp"; then
     log "etcd $etcd_version: up to date"
 else
     log "etcd $etcd_version: building (cold: under a minute after kube-apiserver)"
@@ -85,25 +107,43 @@ else
         go.etcd.io/etcd/server/v3 -ldflags "$etcd_ldflags"
 fi
 
-# A binary that does not report its pin is wrong however it was built.
-got=$("$testbin_dir/kube-apiserver" --version)
-if [[ $got != "Kubernetes $kube_version" ]]; then
-    log "kube-apiserver reports '$got', expected 'Kubernetes $kube_version'"
-    rm -f "$testbin_dir/kube-apiserver.stamp"
-    exit 1
-fi
-# --client: no server, and no kubeconfig of the caller's is read.
-got=$(KUBECONFIG=/dev/null "$testbin_dir/kubectl" version --client | sed -n 1p)
-if [[ $got != "Client Version: $kube_version" ]]; then
-    log "kubectl reports '$got', expected 'Client Version: $kube_version'"
-    rm -f "$testbin_dir/kubectl.stamp"
-    exit 1
-fi
-got=$("$testbin_dir/etcd" --version | sed -n 1p)  # sed reads to the end: no SIGPIPE under pipefail
-if [[ $got != "etcd Version: ${etcd_version#v}" ]]; then
-    log "etcd reports '$got', expected 'etcd Version: ${etcd_version#v}'"
-    rm -f "$testbin_dir/etcd.stamp"
-    exit 1
-fi
+# The node's own components: same module, same flags, same build cache as
+# kube-apiserver, so after it they compile in one to two minutes each (the
+# kubelet about eight cold).
+for name in "${kube_node_bins[@]}"; do
+    want "$name" || continue
+    t_stage=$(date +%s.%N)
+    stamp=$(stamp_for "$name $kube_version $kube_ldflags" \
+        "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+    if is_current "$name" "$stamp"; then
+        log "$name $kube_version: up to date"
+    else
+        log "$name $kube_version: building"
+        go_build_into "$kube_mod" "$name" "$stamp" \
+            "k8s.io/kubernetes/cmd/$name" -ldflags "$kube_ldflags"
+        log "$name $kube_version: stage took $(elapsed "$t_stage") s"
+    fi
+done
 
-log "ready in $(elapsed "$t_all") s: $testbin_dir/{kube-apiserver,kubectl,etcd}"
+# A binary that does not report its pin is wrong however it was built.
+check_version() {
+    local name=$1 expected=$2 got
+    shift 2
+    got=$("$@" | sed -n 1p)  # sed reads to the end: no SIGPIPE under pipefail
+    if [[ $got != "$expected" ]]; then
+        log "$name reports '$got', expected '$expected'"
+        rm -f "$testbin_dir/$name.stamp"
+        exit 1
+    fi
+}
+want kube-apiserver && check_version kube-apiserver "Kubernetes $kube_version" \
+    "$testbin_dir/kube-apiserver" --version
+# --client: no server, and no kubeconfig of the caller's is read.
+want kubectl && check_version kubectl "Client Version: $kube_version" \
+    env KUBECONFIG=/dev/null "$testbin_dir/kubectl" version --client
+want etcd && check_version etcd "etcd Version: ${etcd_version#v}" "$testbin_dir/etcd" --version
+for name in "${kube_node_bins[@]}"; do
+    want "$name" && check_version "$name" "Kubernetes $kube_version" "$testbin_dir/$name" --version
+done
+
+log "ready in $(elapsed "$t_all") s: $testbin_dir/{$(IFS=,; echo "${wanted[*]}")}"

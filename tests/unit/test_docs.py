@@ -470,13 +470,16 @@ def test_build_stage_installs_only_hash_checked_wheels_from_the_locks() -> None:
     assert copies[:2] == ["requirements-build.lock ./", "requirements.lock ./"]
     installs = pip_installs(build)
     assert installs == [
-        "python -m pip install --require-hashes --no-deps --only-binary=:all: -r requirements-build.lock",
+        "/opt/build/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements-build.lock",
         "/opt/gpu-node-agent/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements.lock",
         "/opt/gpu-node-agent/bin/pip install --no-deps /tmp/wheels/gpu_node_agent-*.whl",
     ]
     # The agent's own wheel is built from this tree without fetching anything, and checked against the lock.
     runs = " ".join(args for keyword, args in build if keyword == "RUN")
-    assert "pip wheel --no-build-isolation --no-deps" in runs
+    assert "/opt/build/bin/pip wheel --no-build-isolation --no-deps" in runs
+    # Nothing is pip-installed into the base image's own Python: Debian's and Ubuntu's refuse it (PEP 668).
+    assert runs.startswith("python -m venv /opt/build ")
+    assert not re.search(r"(^|&& )python -m pip\b", runs), runs
     assert "/opt/gpu-node-agent/bin/pip check" in runs
     assert "/opt/gpu-node-agent/bin/pip uninstall --yes pip setuptools" in runs
     for lock in ("requirements.lock", "requirements-build.lock"):

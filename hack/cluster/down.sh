@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Takes down the cluster hack/cluster/up.sh started and leaves the machine as
+# it was: stops every process it started (the kubelet first, then the pods,
+# then the control plane and containerd), unmounts what they mounted, deletes
+# the network namespaces (with every iptables rule the kubelet made in them),
+# removes the kubelet's cgroups, restores the kernel settings the kubelet
+# changed, and removes every file and directory it created. The logs of the
+# run are kept in .cache/cluster/last-logs. Safe to run with nothing up.
+#
+# usage: hack/cluster/down.sh [--quiet]
+set -euo pipefail
+# shellcheck source=hack/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+quiet=false
+[[ ${1:-} == --quiet ]] && quiet=true
+[[ $EUID == 0 ]] || die "run as root"
+
+if [[ ! -d $run_dir && ! -e /run/netns/$netns ]]; then
+    $quiet || clog "no cluster is running"
+    exit 0
+fi
+t0=$(date +%s.%N)
+sock=$run_dir/containerd/containerd.sock
+
+# 1. The kubelet, so that it restarts nothing.
+stop_daemon kubelet 20
+
+# 2. The pods: every task in containerd's k8s.io namespace, and the network
+#    namespaces containerd made for them (named in its own container specs).
+pod_netns=()
+if [[ -S $sock ]] && ctr_ version >/dev/null 2>&1; then
+    mapfile -t containers < <(ctr_ containers ls -q 2>/dev/null)
+    for id in "${containers[@]}"; do
+        while read -r path; do
+            [[ -n $path ]] && pod_netns+=("$path")
+        done < <(ctr_ containers info "$id" 2>/dev/null |
+            python3 -c 'import json,sys
+for ns in json.load(sys.stdin).get("Spec", {}).get("linux", {}).get("namespaces", []):
+    if ns.get("type") == "network" and ns.get("path"): print(ns["path"])' 2>/dev/null || true)
+    done
+    for id in "${containers[@]}"; do ctr_ tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
+    for id in "${containers[@]}"; do
+        for _ in $(seq 50); do
+            ctr_ tasks delete "$id" >/dev/null 2>&1 && break
+            ctr_ tasks ls -q 2>/dev/null | grep -qxF "$id" || break
+            sleep 0.1
+        done
+        ctr_ containers delete "$id" >/dev/null 2>&1 || true
+    done
+fi
+
+# 3. The control plane, then containerd.
+for name in kube-scheduler kube-controller-manager kube-apiserver etcd containerd; do
+    stop_daemon "$name" 15
+done
+
+# 4. Anything of ours still alive: processes in the cluster's network namespace,
+#    containerd shims serving our socket, processes in the kubelet's cgroups.
+ours=()
+if [[ -e /run/netns/$netns ]]; then mapfile -t ours < <(ip netns pids "$netns" 2>/dev/null); fi
+for cmdline in /proc/[0-9]*/cmdline; do
+    if grep -qaF -- "$sock" "$cmdline" 2>/dev/null; then
+        pid=${cmdline#/proc/}; ours+=("${pid%/cmdline}")
+    fi
+done
+for procs in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/memory/kubepods; do
+    [[ -d $procs ]] && mapfile -t -O "${#ours[@]}" ours < <(find "$procs" -name cgroup.procs -exec cat {} + 2>/dev/null)
+done
+for pid in "${ours[@]}"; do
+    [[ $pid != "$$" && -n $pid ]] && kill -KILL "$pid" 2>/dev/null || true
+done
+for pid in "${ours[@]}"; do
+    while [[ -n $pid && -d /proc/$pid ]]; do sleep 0.1; done
+done
+
+# 5. Mounts under what the cluster used (deepest first), and the pods' namespaces.
+created=()
+[[ -f $run_dir/created-paths ]] && mapfile -t created <"$run_dir/created-paths"
+roots=("$run_dir" "${pod_netns[@]}")
+for p in "${created[@]}"; do [[ $p != /run/netns ]] && roots+=("$p"); done
+[[ " ${created[*]} " == *" /var/lib/kubelet "* ]] || roots+=(/var/lib/kubelet/pods /var/lib/kubelet/plugins)
+mounts_under() {
+    awk '{ print $5 }' /proc/self/mountinfo | while read -r m; do
+        for r in "${roots[@]}"; do
+            if [[ $m == "$r" || $m == "$r"/* ]]; then echo "$m"; break; fi
+        done
+    done | awk '{ print length, $0 }' | sort -rn | cut -d' ' -f2-
+}
+while read -r m; do
+    [[ -n $m ]] && { umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || clog "cannot unmount $m"; }
+done < <(mounts_under)
+for p in "${pod_netns[@]}"; do rm -f "$p"; done
+
+# 6. The cluster's network namespace (its links, routes and iptables rules go with it).
+if [[ -e /run/netns/$netns ]]; then ip netns del "$netns"; fi
+if [[ -f $run_dir/unmount-after ]] && mountpoint -q /run/netns; then umount /run/netns || true; fi
+
+# 7. The kubelet's cgroups (depth first; a cgroup directory goes with rmdir).
+for hierarchy in /sys/fs/cgroup/*/; do
+    [[ -d ${hierarchy}kubepods ]] && find "${hierarchy}kubepods" -depth -type d -exec rmdir {} + 2>/dev/null
+    [[ -d ${hierarchy}kubepods ]] && clog "cannot remove the cgroup ${hierarchy}kubepods"
+done
+
+# 8. The kernel settings the kubelet changed.
+if [[ -f $run_dir/sysctls ]]; then
+    while IFS= read -r line; do sysctl -q -w "$line" >/dev/null || clog "cannot restore $line"; done <"$run_dir/sysctls"
+fi
+
+# 9. Files: what the cluster created outside $run_dir, then $run_dir (its logs kept).
+left=$(mounts_under)
+if [[ -n $left ]]; then
+    die "still mounted, not removing files under them: $(echo "$left" | tr '\n' ' ')"
+fi
+for p in "${created[@]}"; do
+    [[ -e $p ]] && rm -rf --one-file-system -- "$p"
+done
+if [[ -d $logs_dir ]]; then
+    rm -rf "$cache_dir/last-logs"
+    mkdir -p "$cache_dir"
+    mv "$logs_dir" "$cache_dir/last-logs"
+fi
+rm -rf --one-file-system -- "$run_dir"
+$quiet || clog "down in $(since "$t0") s"

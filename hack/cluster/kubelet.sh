@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Starts, stops or restarts the cluster's kubelet (its configuration is written
+# afresh on each start).
+#
+# usage: hack/cluster/kubelet.sh start|stop|restart [--topology-manager-policy POLICY]
+#   POLICY: none (default), best-effort, restricted or single-numa-node
+set -euo pipefail
+# shellcheck source=hack/cluster/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+action=${1:-}
+shift || true
+policy=none
+while (($#)); do
+    case $1 in
+        --topology-manager-policy) policy=${2:-}; shift 2 || die "--topology-manager-policy needs a value" ;;
+        *) die "unknown argument '$1' (usage: kubelet.sh start|stop|restart [--topology-manager-policy POLICY])" ;;
+    esac
+done
+case $policy in none | best-effort | restricted | single-numa-node) ;; *)
+    die "topology manager policy '$policy' is not one of none, best-effort, restricted, single-numa-node" ;;
+esac
+[[ -d /run/netns && -e /run/netns/$netns && -d $run_dir/pki ]] || die "no cluster is running (make cluster)"
+
+start() {
+    mkdir -p "$run_dir/kubelet" "$run_dir/pod-logs"
+    cat >"$run_dir/kubelet/config.yaml" <<KC
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $run_dir/pki/ca.crt}
+authorization: {mode: Webhook}
+tlsCertFile: $run_dir/pki/kubelet-serving.crt
+tlsPrivateKeyFile: $run_dir/pki/kubelet-serving.key
+rotateCertificates: false
+serverTLSBootstrap: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$run_dir/containerd/containerd.sock
+failSwapOn: false
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+clusterDomain: cluster.local
+podLogsDir: $run_dir/pod-logs
+# Images here cannot be pulled again: never garbage-collect them.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: 100Mi
+  nodefs.available: 2%
+  imagefs.available: 2%
+topologyManagerPolicy: $policy
+KC
+    start_daemon kubelet "$testbin_dir/kubelet" \
+        --config="$run_dir/kubelet/config.yaml" \
+        --kubeconfig="$run_dir/pki/kubelet.kubeconfig" \
+        --hostname-override="$node_name" \
+        --node-ip="$node_ip" \
+        --v=1
+    wait_for 30 "the kubelet's health port" in_netns curl -fsS --max-time 1 http://127.0.0.1:10248/healthz
+}
+
+case $action in
+    start) start ;;
+    stop) stop_daemon kubelet 20 ;;
+    restart) stop_daemon kubelet 20; start ;;
+    *) die "usage: kubelet.sh start|stop|restart [--topology-manager-policy POLICY]" ;;
+esac

@@ -1,0 +1,119 @@
+# Shared by the hack/cluster scripts: where the single-node cluster keeps its
+# files, and small helpers. Sourced, not executed.
+#
+# Two places, nothing else on the machine:
+#   .cache/cluster/   images and their stamps, kept between runs (a build cache,
+#                     ignored by git), and the logs of the last run
+#   $run_dir          everything a running cluster needs (certificates, configs,
+#                     containerd's root and state, sockets, pids); removed by
+#                     cluster-down
+# plus the kubelet's own directories (/var/lib/kubelet, which the DaemonSet's
+# hostPaths name, and the hostPaths it creates), which cluster-down removes when
+# they were not there before.
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cache_dir=${CLUSTER_CACHE_DIR:-$repo_root/.cache/cluster}
+run_dir=${CLUSTER_RUN_DIR:-/run/gpu-node-agent-cluster}
+testbin_dir=${TESTBIN_DIR:-$repo_root/.cache/testbin}
+netns=${CLUSTER_NETNS:-gpu-node-agent}
+node_name=${CLUSTER_NODE_NAME:-gpu-node-0}
+# Inside the cluster's network namespace only; nothing here is routed anywhere else.
+node_ip=10.244.0.1
+pod_cidr=10.244.0.0/24
+service_cidr=10.0.0.0/24
+service_ip=10.0.0.1
+apiserver_port=6443
+image_tag_file=$cache_dir/images/agent.tag
+
+clog() { printf 'cluster: %s\n' "$*" >&2; }
+die() { clog "$*"; exit 1; }
+
+# Seconds since an earlier `date +%s.%N`, one decimal.
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# buildah with its storage under .cache/cluster (not /var/lib/containers), and
+# never its own network: without --network host it would add a cni-podman0
+# bridge to the machine's network.
+buildah_() {
+    buildah --root "$cache_dir/buildah/root" --runroot "$cache_dir/buildah/runroot" \
+        --storage-driver overlay "$@"
+}
+
+in_netns() { nsenter --net="/run/netns/$netns" "$@"; }
+
+ctr_() { ctr --address "$run_dir/containerd/containerd.sock" --namespace k8s.io "$@"; }
+
+kubectl_() {
+    in_netns "$testbin_dir/kubectl" --kubeconfig "$run_dir/pki/admin.kubeconfig" "$@"
+}
+
+pids_dir=$run_dir/pids
+logs_dir=$run_dir/logs
+
+# Paths the cluster may create outside $run_dir; up.sh records which of them
+# did not exist before, and cluster-down removes exactly those.
+outside_paths=(
+    /var/lib/kubelet /var/lib/gpu-node-agent /dev/nvidia-caps /var/log/pods /var/log/containers
+    /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns
+)
+# The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.
+kubelet_sysctls=(
+    vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
+    kernel.keys.root_maxkeys kernel.keys.root_maxbytes
+)
+
+# usage: start_daemon NAME COMMAND...  (in the cluster's network namespace, its
+# own session, output to $logs_dir/NAME.log; nsenter execs, so the pid file
+# holds the daemon's own pid)
+start_daemon() {
+    local name=$1
+    shift
+    mkdir -p "$pids_dir" "$logs_dir"
+    setsid nsenter --net="/run/netns/$netns" "$@" >>"$logs_dir/$name.log" 2>&1 </dev/null &
+    echo $! >"$pids_dir/$name.pid"
+}
+
+daemon_pid() {
+    local f=$pids_dir/$1.pid pid
+    [[ -f $f ]] || return 1
+    pid=$(<"$f")
+    [[ -d /proc/$pid ]] || return 1
+    echo "$pid"
+}
+
+# usage: stop_daemon NAME [SECONDS]  TERM, then KILL after SECONDS (default 15)
+stop_daemon() {
+    local name=$1 wait_s=${2:-15} pid i
+    if pid=$(daemon_pid "$name"); then
+        kill -TERM "$pid" 2>/dev/null || true
+        for ((i = 0; i < wait_s * 10; i++)); do
+            [[ -d /proc/$pid ]] || break
+            sleep 0.1
+        done
+        if [[ -d /proc/$pid ]]; then
+            clog "$name did not stop in ${wait_s}s; killing it"
+            kill -KILL "$pid" 2>/dev/null || true
+            while [[ -d /proc/$pid ]]; do sleep 0.1; done
+        fi
+    fi
+    rm -f "$pids_dir/$name.pid"
+}
+
+# usage: wait_for SECONDS WHAT COMMAND...  (polls every 0.2 s)
+wait_for() {
+    local limit=$1 what=$2 t0
+    shift 2
+    t0=$SECONDS
+    until "$@" >/dev/null 2>&1; do
+        if ((SECONDS - t0 >= limit)); then
+            clog "timed out after ${limit}s waiting for $what"
+            return 1
+        fi
+        sleep 0.2
+    done
+}
+
+apiserver_ready() {
+    in_netns curl -fsS --max-time 2 --cacert "$run_dir/pki/ca.crt" --cert "$run_dir/pki/admin.crt" \
+        --key "$run_dir/pki/admin.key" "https://127.0.0.1:$apiserver_port/readyz"
+}
