@@ -6,35 +6,61 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agent.yamlfile import YamlProblem, load_yaml
 
-DEVICE_LIST_STRATEGIES = ("envvar", "cdi")
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri", "cdi")
+"""How Allocate hands devices to the runtime; "cdi" is this agent's older name for "cdi-cri"."""
 TAINT_KEY = r"gpu-node-agent\.io/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+NVIDIA_PREFIX = "nvidia.com/"
 
 
 class ConfigError(ValueError):
     """The config cannot be used; the message names each key path and reason, one per line."""
 
 
+def _drop_nulls(value: object) -> object:
+    """A key set to null means "not set", as in NVIDIA's config files (their Helm values render nulls)."""
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if v is not None}
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_nulls(cls, value: object) -> object:
+        return _drop_nulls(value)
+
+
+StrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri", "cdi"]
+
 
 class PluginFlags(_Strict):
-    device_list_strategy: tuple[Literal["envvar", "cdi"], ...] = Field(
-        default=("envvar",), alias="deviceListStrategy"
-    )
-    """How Allocate hands devices to the runtime: NVIDIA_VISIBLE_DEVICES, CDI device names, or both."""
+    pass_device_specs: bool = Field(default=False, alias="passDeviceSpecs")
+    """Put the GPUs' device nodes (/dev/nvidiaN, nvidiactl, nvidia-uvm...) into each Allocate response."""
+    device_list_strategy: tuple[StrategyName, ...] = Field(default=("envvar",), alias="deviceListStrategy")
+    """How Allocate hands devices to the runtime: NVIDIA_VISIBLE_DEVICES, /dev/null mounts under
+    /var/run/nvidia-container-devices, CDI annotations, or CDI devices in the CRI field."""
     device_id_strategy: Literal["uuid", "index"] = Field(default="uuid", alias="deviceIDStrategy")
     """What NVIDIA_VISIBLE_DEVICES and CDI names carry: GPU UUIDs or GPU indices."""
+    cdi_annotation_prefix: str = Field(default="cdi.k8s.io/", alias="cdiAnnotationPrefix")
+    nvidia_ctk_path: str = Field(default="/usr/bin/nvidia-ctk", alias="nvidiaCTKPath")
+    container_driver_root: Path = Field(default=Path("/driver-root"), alias="containerDriverRoot")
+    """Where the host's nvidiaDriverRoot is mounted in the agent's container (the MPS control program is
+    looked for under it)."""
+    shared_devices_allocation_policy: Literal["distributed", "packed"] | None = Field(
+        default=None, alias="sharedDevicesAllocationPolicy")
+    """NVIDIA's name for sharing.allocationPolicy; when set it decides the policy."""
 
     @field_validator("device_list_strategy", mode="before")
     @classmethod
     def _one_or_many(cls, value: object) -> object:
         if isinstance(value, str):
-            return (value,)
+            return tuple(part.strip() for part in value.split(","))
         if isinstance(value, list) and not value:
             raise ValueError("must name at least one strategy")
         return value
@@ -42,21 +68,70 @@ class PluginFlags(_Strict):
     @field_validator("device_list_strategy")
     @classmethod
     def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(value)) != len(value):
+        canonical = [("cdi-cri" if v == "cdi" else v) for v in value]
+        if len(set(canonical)) != len(canonical):
             raise ValueError("lists a strategy twice")
         return value
+
+    @field_validator("cdi_annotation_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/", value):
+            raise ValueError(f"{value!r} is not an annotation key prefix (a DNS subdomain followed by '/')")
+        return value
+
+    def strategies(self) -> frozenset[str]:
+        """The strategies in force, with "cdi" read as "cdi-cri"."""
+        return frozenset("cdi-cri" if s == "cdi" else s for s in self.device_list_strategy)
+
+
+class GfdFlags(_Strict):
+    oneshot: bool = False
+    no_timestamp: bool = Field(default=False, alias="noTimestamp")
+    """Leave out nvidia.com/gfd.timestamp."""
+    sleep_interval: str | int | None = Field(default=None, alias="sleepInterval")
+    output_file: str | None = Field(default=None, alias="outputFile")
+    machine_type_file: Path = Field(default=Path("/sys/class/dmi/id/product_name"), alias="machineTypeFile")
+    """Where nvidia.com/gpu.machine is read from."""
 
 
 class Flags(_Strict):
     mig_strategy: Literal["none", "single", "mixed"] = Field(default="none", alias="migStrategy")
     """none: whole GPUs; single: MIG devices as nvidia.com/gpu; mixed: nvidia.com/mig-<profile> per profile."""
+    fail_on_init_error: bool = Field(default=True, alias="failOnInitError")
+    """false: when NVML cannot be initialised, serve nothing and stay up instead of exiting."""
+    mps_root: Path = Field(default=Path("/run/nvidia/mps"), alias="mpsRoot")
+    """Host directory for the MPS control daemons' pipe and log directories (one per shared GPU)."""
+    nvidia_driver_root: Path = Field(default=Path("/"), alias="nvidiaDriverRoot")
+    nvidia_dev_root: Path | None = Field(default=None, alias="nvidiaDevRoot")
+    """Host root of the GPUs' device nodes in passed device specs; defaults to nvidiaDriverRoot."""
+    gdrcopy_enabled: bool = Field(default=False, alias="gdrcopyEnabled")
+    gds_enabled: bool = Field(default=False, alias="gdsEnabled")
+    mofed_enabled: bool = Field(default=False, alias="mofedEnabled")
+    use_node_feature_api: bool = Field(default=False, alias="useNodeFeatureAPI")
+    device_discovery_strategy: Literal["auto", "nvml", "tegra"] = Field(default="auto",
+                                                                        alias="deviceDiscoveryStrategy")
     plugin: PluginFlags = PluginFlags()
+    gfd: GfdFlags = GfdFlags()
+
+    @property
+    def dev_root(self) -> Path:
+        return self.nvidia_dev_root or self.nvidia_driver_root
 
 
 GpuSelector = int | str
-"""A GPU by index, by UUID ("GPU-..."), or by model (the NVML name or its label form, e.g. NVIDIA-H100-80GB-HBM3)."""
+"""A device by GPU index (0 or "0"), MIG index ("0:1"), UUID ("GPU-...", "MIG-..."), or, for whole GPUs, by
+model (the NVML name or its label form, e.g. NVIDIA-H100-80GB-HBM3)."""
 
 RESOURCE_NAME = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+
+
+def _extended_resource(value: str) -> str:
+    if not re.fullmatch(RESOURCE_NAME, value):
+        raise ValueError(f"{value!r} is not an extended resource name (vendor-domain/name)")
+    if value.split("/", 1)[0].endswith("kubernetes.io"):
+        raise ValueError(f"{value!r} is in the reserved kubernetes.io domain")
+    return value
 
 
 class ReplicatedResource(_Strict):
@@ -65,25 +140,33 @@ class ReplicatedResource(_Strict):
     replicas: int = Field(ge=2, le=1024)
     rename: str | None = None
     """Advertise the replicas under this resource name instead."""
-    devices: Literal["all"] | list[GpuSelector] = "all"
-    """Which GPUs this entry shares: all, or a list of indices, UUIDs and models."""
+    devices: Literal["all"] | int | list[GpuSelector] = "all"
+    """Which devices this entry shares: all, the first N, or a list of indices, UUIDs and models."""
+
+    @field_validator("name", "rename", mode="before")
+    @classmethod
+    def _nvidia_prefix(cls, value: object) -> object:
+        # As in NVIDIA's files, a bare name is under nvidia.com/ ("gpu" is nvidia.com/gpu).
+        if isinstance(value, str) and "/" not in value:
+            return NVIDIA_PREFIX + value
+        return value
 
     @field_validator("name", "rename")
     @classmethod
     def _resource_name(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(RESOURCE_NAME, value):
-            raise ValueError(f"{value!r} is not an extended resource name (vendor-domain/name)")
-        if value is not None and value.split("/", 1)[0].endswith("kubernetes.io"):
-            raise ValueError(f"{value!r} is in the reserved kubernetes.io domain")
-        return value
+        return None if value is None else _extended_resource(value)
 
     @field_validator("devices", mode="before")
     @classmethod
     def _selectors(cls, value: object) -> object:
         if value == "all":
             return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value <= 0:
+                raise ValueError(f"a count of devices must be above 0, got {value}")
+            return value
         if not isinstance(value, list) or not value:
-            raise ValueError("must be 'all' or a non-empty list of GPU indices, UUIDs or models")
+            raise ValueError("must be 'all', a count, or a non-empty list of GPU indices, UUIDs or models")
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int | str) or item in ("", None):
                 raise ValueError(f"{item!r} is not a GPU index, UUID or model")
@@ -92,17 +175,103 @@ class ReplicatedResource(_Strict):
         return value
 
 
-class TimeSlicing(_Strict):
+class ReplicatedResources(_Strict):
     rename_by_default: bool = Field(default=False, alias="renameByDefault")
     """Advertise replicas as <name>.shared unless an entry gives `rename`."""
     fail_requests_greater_than_one: bool = Field(default=False, alias="failRequestsGreaterThanOne")
     resources: list[ReplicatedResource] = Field(default_factory=list)
 
 
+class MpsSharing(ReplicatedResources):
+    fail_requests_greater_than_one: bool = Field(default=True, alias="failRequestsGreaterThanOne")
+    """On by default for MPS, as upstream: each request is one client's share of a GPU."""
+
+    @field_validator("resources")
+    @classmethod
+    def _whole_gpus_only(cls, value: list[ReplicatedResource]) -> list[ReplicatedResource]:
+        for entry in value:
+            if entry.name != NVIDIA_PREFIX + "gpu":
+                raise ValueError(f"MPS shares whole GPUs only (nvidia.com/gpu), not {entry.name}")
+        return value
+
+
+TimeSlicing = ReplicatedResources
+
+
 class Sharing(_Strict):
-    time_slicing: TimeSlicing = Field(default_factory=TimeSlicing, alias="timeSlicing")
+    time_slicing: ReplicatedResources = Field(default_factory=ReplicatedResources, alias="timeSlicing")
+    mps: MpsSharing | None = None
+    """Share GPUs through one MPS control daemon per GPU; exclusive with timeSlicing."""
     allocation_policy: Literal["distributed", "packed"] = Field(default="distributed", alias="allocationPolicy")
     """Which replicas GetPreferredAllocation prefers: spread over GPUs, or packed onto the fewest."""
+
+    @model_validator(mode="after")
+    def _one_strategy(self) -> Sharing:
+        if self.mps is not None and self.mps.resources and self.time_slicing.resources:
+            raise ValueError("timeSlicing and mps both share resources; a node uses one sharing strategy")
+        return self
+
+    @property
+    def strategy(self) -> Literal["none", "time-slicing", "mps"]:
+        if self.mps is not None and self.mps.resources:
+            return "mps"
+        return "time-slicing" if self.time_slicing.resources else "none"
+
+    @property
+    def replicated(self) -> ReplicatedResources:
+        """The sharing section in force (NVIDIA's rule: mps when given, else timeSlicing)."""
+        return self.mps if self.mps is not None and self.mps.resources else self.time_slicing
+
+
+class ResourcePattern(_Strict):
+    pattern: str
+    """A shell-style wildcard ('*' only) over the GPU's NVML name, or over the MIG profile name."""
+    name: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, value: str) -> str:
+        if not value:
+            raise ValueError("the pattern is empty")
+        return value
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _nvidia_name(cls, value: object) -> object:
+        if isinstance(value, str) and not value.startswith(NVIDIA_PREFIX):
+            value = NVIDIA_PREFIX + value
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _valid(cls, value: str) -> str:
+        if len(value) > 63:
+            raise ValueError(f"{value!r} is longer than 63 characters")
+        if not re.fullmatch(r"nvidia\.com/[a-z0-9]([-a-z0-9.]*[a-z0-9])?", value):
+            raise ValueError(f"{value!r} is not a resource name under nvidia.com/ (lower case, digits, '-', '.')")
+        return value
+
+    def matches(self, text: str) -> bool:
+        return re.fullmatch(".*".join(re.escape(part) for part in self.pattern.split("*")), text) is not None
+
+
+class Resources(_Strict):
+    gpus: list[ResourcePattern] = Field(default_factory=list)
+    """Whole GPUs by NVML name; when given, a GPU that matches no pattern is not advertised."""
+    mig: list[ResourcePattern] = Field(default_factory=list)
+    """MIG devices by profile name; when given, a MIG device that matches no pattern is not advertised."""
+
+
+class Imex(_Strict):
+    channel_ids: list[int] = Field(default_factory=list, alias="channelIDs")
+    required: bool = False
+
+    @field_validator("channel_ids")
+    @classmethod
+    def _only_zero(cls, value: list[int]) -> list[int]:
+        if value not in ([], [0]):
+            raise ValueError(f"must be [] or [0], got {value}")
+        return value
 
 
 Action = Literal["ignore", "warn", "unhealthy", "node-fatal"]
@@ -190,13 +359,38 @@ class MigSettings(_Strict):
     busy_wait_seconds: float = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
 
 
+NO_EFFECT: dict[str, str] = {
+    "flags.useNodeFeatureAPI": "labels are written to the Node object itself; no NodeFeature objects are made",
+    "flags.plugin.nvidiaCTKPath": "the agent writes no CDI specs; the runtime uses the node's own CDI specs",
+    "flags.gfd.oneshot": "labels are kept up to date for as long as the agent runs",
+    "flags.gfd.sleepInterval": "labels follow each change as it happens, not an interval",
+    "flags.gfd.outputFile": "labels are written to the Node object, not to a file",
+}
+"""Keys of NVIDIA's config v1 that are accepted but change nothing here, and why."""
+
+
 class AgentConfig(_Strict):
-    version: Literal["v1"]
+    version: Literal["v1"] = "v1"
+    """NVIDIA's files may leave it out; v1 is the only version."""
     flags: Flags = Flags()
+    resources: Resources = Resources()
     sharing: Sharing = Sharing()
+    imex: Imex = Imex()
     health: HealthSettings = HealthSettings()
     mig: MigSettings = MigSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    _without_effect: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def allocation_policy(self) -> Literal["distributed", "packed"]:
+        """How shared replicas are preferred: flags.plugin.sharedDevicesAllocationPolicy when set, else
+        sharing.allocationPolicy."""
+        return self.flags.plugin.shared_devices_allocation_policy or self.sharing.allocation_policy
+
+    @property
+    def without_effect(self) -> tuple[str, ...]:
+        """One line per key of the file that is accepted but has no effect here, naming it and why."""
+        return self._without_effect
 
 
 DEFAULT_CONFIG = AgentConfig(version="v1")
@@ -232,12 +426,30 @@ def parse_config(text: str, origin: str = "config") -> AgentConfig:
         data = load_yaml(text)
     except YamlProblem as err:
         raise ConfigError(f"{origin}: {err}") from None
+    if data is None:
+        data = {}  # an empty file: the defaults, as upstream
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping with 'version: v1' at the top level")
     try:
-        return AgentConfig.model_validate(data)
+        config = AgentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format(err, origin)) from err
+    config._without_effect = _keys_without_effect(data, origin)
+    return config
+
+
+def _keys_without_effect(data: dict[str, object], origin: str) -> tuple[str, ...]:
+    lines = []
+    for path, why in NO_EFFECT.items():
+        node: object = data
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            lines.append(f"{origin}: {path} is accepted but has no effect: {why}")
+    if isinstance(flags := data.get("flags"), dict) and flags.get("deviceDiscoveryStrategy") == "tegra":
+        lines.append(f"{origin}: flags.deviceDiscoveryStrategy 'tegra' has no effect: GPUs are always found "
+                     "through NVML")
+    return tuple(lines)
 
 
 def named_configs(directory: Path) -> dict[str, Path]:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agent.config import AgentConfig, ConfigError, config_file, load_config
+from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
@@ -22,6 +24,7 @@ from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintP
 from agent.labels import node_labels, owned
 from agent.metrics import HttpEndpoint, Metrics
 from agent.mig.controller import MigController
+from agent.mps import MpsDaemons
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
@@ -99,17 +102,45 @@ class Agent:
         self.plans = PlanCache()
         self.hangup = asyncio.Event()
         """Set by SIGHUP: reload the config file."""
+        self.idle: str | None = None
+        """Why the agent serves nothing (NVML unavailable with flags.failOnInitError false); None when serving."""
+        self.mps: MpsDaemons | None = None
+        self._allocatable_seen: int | None = None
+        """The registration count at which the Node last showed the advertised devices in Allocatable."""
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
         assert self.bus is not None
         return {name: r.devices for name, r in self.plans(self.bus.current).resources.items()}
 
     def ready(self) -> tuple[bool, str]:
+        """Ready once registered with the kubelet and, with an API server, once the agent's own Node shows
+        every advertised resource in Allocatable with as many devices as are healthy: the scheduler can then
+        place pods on them. A rolling update waits for that, not just for the registration, before it takes
+        the next node's agent down. Checked once per registration (a later health change does not make the
+        agent unready)."""
+        if self.idle is not None:
+            return True, self.idle
         if self.bus is None:
             return False, "NVML not initialised"
         if self.plugins is None or not self.plugins.registered.is_set():
             return False, "not registered with the kubelet"
+        if self.reconciler is None:
+            return True, "ok"
+        registrations = sum(p.registrations for p in self.plugins.plugins.values())
+        if self._allocatable_seen == registrations:
+            return True, "ok"
+        node = self.reconciler.node
+        if node is None:
+            return False, "the Node has not been read yet"
+        missing = [f"{name}: {healthy}" for name, healthy in sorted(self._healthy_counts().items())
+                   if _quantity(node.allocatable.get(name, "0")) != healthy]
+        if missing:
+            return False, f"the Node's Allocatable does not show {', '.join(missing)} yet"
+        self._allocatable_seen = registrations
         return True, "ok"
+
+    def _healthy_counts(self) -> dict[str, int]:
+        return {name: sum(d.healthy for d in devices) for name, devices in self.devices().items()}
 
     async def _init_nvml(self) -> NodeState:
         for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
@@ -122,7 +153,9 @@ class Agent:
                 log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
                 await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
         inventory = await self.nvml(self.backend.inventory)
-        state = NodeState(version=1, inventory=inventory, config=self.options.config)
+        config = self.options.config
+        state = NodeState(version=1, inventory=inventory, config=config,
+                          machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
         conflicts = sharing_conflicts(state, state.config)
         if conflicts:
             raise ConfigError("\n".join(conflicts))
@@ -133,11 +166,26 @@ class Agent:
         if opts.metrics_port is not None:
             self.http = HttpEndpoint(self.metrics, self.ready)
             await self.http.start(opts.metrics_port, opts.metrics_host)
-        state = await self._init_nvml()
+        for line in opts.config.without_effect:
+            log.warning("%s", line)
+        try:
+            state = await self._init_nvml()
+        except NvmlUnavailable as err:
+            if opts.config.flags.fail_on_init_error:
+                raise
+            self.idle = f"serving nothing: {err} (flags.failOnInitError is false)"
+            log.error("%s", self.idle)
+            return
+        files = NodeFiles.read()
+        if opts.config.imex.channel_ids and not files.imex_channel:
+            if opts.config.imex.required:
+                raise ConfigError(f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist")
+            log.warning("imex.channelIDs asks for channel 0, but %s does not exist; no channel is added",
+                        IMEX_CHANNEL)
         self.bus = bus = StateBus(state)
         preferences = Preferences(lambda: bus.current)
         self.plugins = PluginSet(
-            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics),
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
             lambda: set(self.plans(bus.current).resources),
             opts.kubelet_dir,
             bus,
@@ -154,6 +202,8 @@ class Agent:
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
         self._spawn("mig", self.mig.run)
         self._spawn("withheld-resources", self._follow_problems)
+        self.mps = MpsDaemons(bus)
+        self._spawn("mps", self.mps.run)
         if opts.config_path is not None:
             self._spawn("config-reload", self._follow_config)
         if opts.kube is not None:
@@ -182,8 +232,11 @@ class Agent:
             return False
         if new == self.bus.current.config:
             return True
+        for line in new.without_effect:
+            log.warning("%s", line)
         source = f"{path} ({name})" if name else str(path)
-        await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new)
+        await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new,
+                              machine=machine_type(new.flags.gfd.machine_type_file))
         log.info("config reloaded from %s", source)
         return True
 
@@ -191,16 +244,18 @@ class Agent:
         """Say why devices are withheld (for example a node that does not fit migStrategy single) whenever that
         changes: in the log and as an Event."""
         assert self.bus is not None
-        reported: tuple[str, ...] = ()
+        reported: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         state = self.bus.current
         while True:
-            problems = self.plans(state).problems
-            if problems != reported:
-                reported = problems
-                for problem in problems:
-                    log.warning("%s", problem)
-                if problems:
-                    await self.bus.record([("", "resources-withheld", p) for p in problems])
+            current = self.plans(state)
+            for kind, lines, before in (("resources-withheld", current.problems, reported[0]),
+                                        ("sharing-selector-unmatched", current.warnings, reported[1])):
+                if lines != before:
+                    for line in lines:
+                        log.warning("%s", line)
+                    if lines:
+                        await self.bus.record([("", kind, line) for line in lines])
+            reported = (current.problems, current.warnings)
             state = await self.bus.wait_newer(state.version)
 
     async def _follow_config(self) -> None:
@@ -256,6 +311,24 @@ class Agent:
             await self.nvml(self.backend.shutdown)
         self.nvml.close()
         self.stopped.set()
+
+
+def _quantity(text: str) -> int | None:
+    """A device count as the API writes it ("8"); None for anything else."""
+    return int(text) if text.isdigit() else None
+
+
+def machine_type(path: Path) -> str:
+    """The machine type as GPU feature discovery reads it (flags.gfd.machineTypeFile, by default the DMI product
+    name); "unknown" when the file cannot be read."""
+    try:
+        with path.open("rb") as f:
+            text = f.read(4096).decode(errors="replace").strip()
+    except OSError as err:
+        log.warning("cannot read the machine type from %s: %s; nvidia.com/gpu.machine is unknown", path,
+                    err.strerror)
+        return "unknown"
+    return text or "unknown"
 
 
 def _intent(state: NodeState) -> NodeIntent:

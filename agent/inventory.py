@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agent.config import AgentConfig, ReplicatedResource
+from agent.config import AgentConfig, ReplicatedResource, ResourcePattern
 from agent.nvml.backend import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
@@ -30,7 +30,14 @@ class Device:
     reason: str = ""
     kind: Literal["gpu", "mig"] = "gpu"
     shared: bool = False
-    """A time-sliced replica: several devices share one GPU or MIG device."""
+    """A replica: several devices share one GPU or MIG device (time-slicing or MPS)."""
+    index: str = ""
+    """The device's index as nvidia-smi and NVIDIA's selectors write it: "3" for a GPU, "3:1" for a MIG device."""
+    replicas: int = 1
+    """How many replicas its GPU or MIG device is shared into (1 when it is not shared)."""
+
+
+Sharing = Literal["none", "time-slicing", "mps"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class Resource:
     name: str
     devices: tuple[Device, ...]
     fail_requests_greater_than_one: bool = False
+    sharing: Sharing = "none"
 
 
 @dataclass(frozen=True)
@@ -45,41 +53,78 @@ class ResourcePlan:
     resources: dict[str, Resource] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     """Why some GPUs are not advertised (for example a non-uniform node under migStrategy single)."""
+    warnings: tuple[str, ...] = ()
+    """Config entries that select nothing on this node (a sharing selector that matches no device)."""
 
 
 def sanitise(value: str) -> str:
-    """A label value: runs of characters outside [A-Za-z0-9_.-] become '-', at most 63 characters
-    (how a product name appears in labels and in time-slicing model selectors)."""
-    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", value.strip()).strip("-_.")
-    return cleaned[:63].rstrip("-_.")
+    """A label value as GPU feature discovery makes one: characters outside [A-Za-z0-9-_. ] dropped, runs of
+    spaces joined with '-', cut to 63 characters (a label value's limit)."""
+    kept = re.sub(r"[^A-Za-z0-9\-_. ]", "", value)
+    return "-".join(kept.split())[:63].rstrip("-_.")
 
 
 def mig_resource(profile: str) -> str:
     return f"nvidia.com/mig-{profile.replace('+', '.')}"
 
 
-def selects(selector: int | str, gpu: GpuInfo) -> bool:
+def selects(selector: int | str, unit: Device, gpu: GpuInfo) -> bool:
+    """Whether a sharing `devices` entry names this device, read as NVIDIA's plugin reads it: a GPU index
+    (0 or "0") or a MIG index ("0:1"), a GPU or MIG UUID; a model name (this agent's addition) names every
+    device of GPUs of that model."""
     if isinstance(selector, int):
-        return selector == gpu.index
+        return unit.kind == "gpu" and selector == gpu.index
+    if selector.isdigit() or re.fullmatch(r"\d+:\d+", selector):
+        return selector == unit.index
     if selector.startswith("GPU-"):
-        return selector == gpu.uuid
+        return unit.kind == "gpu" and selector == gpu.uuid
+    if selector.startswith("MIG-"):
+        return unit.kind == "mig" and selector == unit.id
     return selector.lower() in (gpu.name.lower(), sanitise(gpu.name).lower())
 
 
 def _whole(gpu: GpuInfo, state: NodeState, by_index: bool) -> Device:
     health = state.gpu_health(gpu.uuid)
     return Device(gpu.uuid, health.healthy, gpu.numa_node, gpu.index, gpu.uuid,
-                  str(gpu.index) if by_index else gpu.uuid, health.reason)
+                  str(gpu.index) if by_index else gpu.uuid, health.reason, index=str(gpu.index))
 
 
 def _mig(mig: MigDeviceInfo, slot: int, gpu: GpuInfo, state: NodeState, by_index: bool) -> Device:
     health = state.gpu_health(gpu.uuid)
     return Device(mig.uuid, health.healthy, gpu.numa_node, gpu.index, gpu.uuid,
-                  f"{gpu.index}:{slot}" if by_index else mig.uuid, health.reason, kind="mig")
+                  f"{gpu.index}:{slot}" if by_index else mig.uuid, health.reason, kind="mig",
+                  index=f"{gpu.index}:{slot}")
+
+
+def _named(patterns: list[ResourcePattern], text: str, default: str) -> str | None:
+    """The resource a GPU name or MIG profile goes to under `resources`: the first matching pattern, the
+    default when no patterns are given, None when patterns are given and none matches."""
+    if not patterns:
+        return default
+    return next((p.name for p in patterns if p.matches(text)), None)
 
 
 def _base_units(state: NodeState, config: AgentConfig) -> tuple[list[tuple[str, Device]], list[str]]:
     """(resource name, device) before sharing, and why any GPU is left out."""
+    units, problems = _strategy_units(state, config)
+    named: list[tuple[str, Device]] = []
+    gpus = {g.index: g for g in state.inventory.gpus}
+    profiles = {m.uuid: m.profile for m in state.inventory.mig_devices}
+    for default, unit in units:
+        if unit.kind == "gpu":
+            patterns, text, key = config.resources.gpus, gpus[unit.gpu_index].name, "resources.gpus"
+        else:
+            patterns, text, key = config.resources.mig, profiles[unit.id], "resources.mig"
+        name = _named(patterns, text, default)
+        if name is None:
+            what = f"GPU {unit.index}" if unit.kind == "gpu" else f"MIG device {unit.index}"
+            problems.append(f"{what} ({text}) matches no pattern of {key}; not advertised")
+            continue
+        named.append((name, unit))
+    return named, problems
+
+
+def _strategy_units(state: NodeState, config: AgentConfig) -> tuple[list[tuple[str, Device]], list[str]]:
     by_index = config.flags.plugin.device_id_strategy == "index"
     strategy = config.flags.mig_strategy
     gpus = [g for g in state.inventory.gpus if g.uuid not in state.draining]
@@ -118,60 +163,112 @@ def _base_units(state: NodeState, config: AgentConfig) -> tuple[list[tuple[str, 
     return units, problems
 
 
+def _chosen(entry: ReplicatedResource, units: list[Device], gpus: dict[int, GpuInfo]) -> list[Device]:
+    """The devices of one resource that a sharing entry shares."""
+    if entry.devices == "all":
+        return units
+    if isinstance(entry.devices, int):
+        return units[: entry.devices]
+    return [u for u in units if any(selects(s, u, gpus[u.gpu_index]) for s in entry.devices)]
+
+
+def _sharing_path(config: AgentConfig) -> str:
+    return "sharing.mps" if config.sharing.strategy == "mps" else "sharing.timeSlicing"
+
+
+def _assignments(state: NodeState, config: AgentConfig, units: list[tuple[str, Device]]
+                 ) -> tuple[dict[str, list[tuple[int, ReplicatedResource]]], list[str]]:
+    """For each device id, the sharing entries (with their position) that select it, and the warnings for
+    entries or selectors that select nothing on this node."""
+    gpus = {g.index: g for g in state.inventory.gpus}
+    by_resource: dict[str, list[Device]] = {}
+    for name, unit in units:
+        by_resource.setdefault(name, []).append(unit)
+    chosen: dict[str, list[tuple[int, ReplicatedResource]]] = {}
+    warnings: list[str] = []
+    path = _sharing_path(config)
+    for i, entry in enumerate(config.sharing.replicated.resources):
+        here = by_resource.get(entry.name, [])
+        for unit in _chosen(entry, here, gpus):
+            chosen.setdefault(unit.id, []).append((i, entry))
+        where = f"{path}.resources[{i}]"
+        if not here:
+            warnings.append(f"{where}: {entry.name} has no devices on this node; nothing is shared")
+        elif isinstance(entry.devices, int) and entry.devices > len(here):
+            warnings.append(f"{where}.devices: asks for the first {entry.devices} devices of {entry.name}, "
+                            f"the node has {len(here)}; all {len(here)} are shared")
+        elif isinstance(entry.devices, list):
+            for j, selector in enumerate(entry.devices):
+                if not any(selects(selector, u, gpus[u.gpu_index]) for u in here):
+                    warnings.append(f"{where}.devices[{j}]: {selector!r} selects no device of {entry.name} "
+                                    "on this node")
+    return chosen, warnings
+
+
 def sharing_conflicts(state: NodeState, config: AgentConfig) -> list[str]:
-    """Config problems only the node can reveal: a GPU selected by two time-slicing entries of one resource."""
+    """Config problems only the node can reveal: a device selected by two sharing entries."""
+    units, _ = _base_units(state, config)
+    chosen, _ = _assignments(state, config, units)
+    path = _sharing_path(config)
     problems = []
-    entries = config.sharing.time_slicing.resources
-    for gpu in state.inventory.gpus:
-        by_name: dict[str, list[int]] = {}
-        for i, entry in enumerate(entries):
-            if entry.devices == "all" or any(selects(s, gpu) for s in entry.devices):
-                by_name.setdefault(entry.name, []).append(i)
-        for name, hits in sorted(by_name.items()):
-            if len(hits) > 1:
-                listed = ", ".join(f"sharing.timeSlicing.resources[{i}]" for i in hits)
-                problems.append(f"GPU {gpu.index} ({gpu.uuid}) is selected for {name} by {listed}")
+    for _, unit in units:
+        hits = chosen.get(unit.id, [])
+        if len(hits) > 1:
+            listed = ", ".join(f"{path}.resources[{i}]" for i, _ in hits)
+            what = f"GPU {unit.index} ({unit.gpu_uuid})" if unit.kind == "gpu" else f"MIG device {unit.index}"
+            problems.append(f"{what} is selected for {hits[0][1].name} by {listed}")
     return problems
 
 
-def replicas_for(config: AgentConfig, name: str, gpu: GpuInfo) -> int:
-    """How many replicas of `gpu` the resource `name` is shared into (1 when it is not shared)."""
-    entry = _entry_for(config.sharing.time_slicing.resources, name, gpu)
-    return entry.replicas if entry else 1
-
-
-def _entry_for(entries: list[ReplicatedResource], name: str, gpu: GpuInfo) -> ReplicatedResource | None:
-    for entry in entries:
-        if entry.name == name and (entry.devices == "all" or any(selects(s, gpu) for s in entry.devices)):
-            return entry
-    return None
+def mps_shared_gpus(state: NodeState) -> list[tuple[GpuInfo, int]]:
+    """The GPUs the config in force shares with MPS, with their replica counts."""
+    config = state.config
+    if config.sharing.strategy != "mps":
+        return []
+    units, _ = _base_units(state, config)
+    chosen, _ = _assignments(state, config, units)
+    gpus = {g.uuid: g for g in state.inventory.gpus}
+    return [(gpus[unit.gpu_uuid], chosen[unit.id][0][1].replicas) for _, unit in units if unit.id in chosen]
 
 
 def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
-    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely."""
+    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely, and
+    MPS replicas of a GPU whose control daemon is not up are withheld."""
     config = config or state.config
     units, problems = _base_units(state, config)
-    slicing = config.sharing.time_slicing
-    gpus = {g.index: g for g in state.inventory.gpus}
+    chosen, warnings = _assignments(state, config, units)
+    sharing = config.sharing.replicated
+    strategy = config.sharing.strategy
     devices: dict[str, list[Device]] = {}
     shared_names: set[str] = set()
+    waiting: list[str] = []
     for name, unit in units:
-        entry = _entry_for(slicing.resources, name, gpus[unit.gpu_index])
-        if entry is None:
+        hits = chosen.get(unit.id)
+        if not hits:
             devices.setdefault(name, []).append(unit)
             continue
-        target = entry.rename or (f"{name}.shared" if slicing.rename_by_default else name)
+        entry = hits[0][1]
+        target = entry.rename or (f"{name}.shared" if sharing.rename_by_default else name)
         shared_names.add(target)
-        devices.setdefault(target, []).extend(
+        devices.setdefault(target, [])
+        if strategy == "mps" and state.mps.get(unit.gpu_uuid) != "":
+            why = state.mps.get(unit.gpu_uuid) or "starting"
+            waiting.append(f"GPU {unit.index} ({why})")
+            continue
+        devices[target].extend(
             Device(f"{unit.id}{REPLICA_SEPARATOR}{n}", unit.healthy, unit.numa, unit.gpu_index, unit.gpu_uuid,
-                   unit.visible, unit.reason, unit.kind, shared=True)
+                   unit.visible, unit.reason, unit.kind, shared=True, index=unit.index, replicas=entry.replicas)
             for n in range(entry.replicas)
         )
+    if waiting:
+        problems.append(f"MPS replicas withheld until the GPU's MPS control daemon is up: {'; '.join(waiting)}")
     resources = {
-        name: Resource(name, tuple(items), slicing.fail_requests_greater_than_one and name in shared_names)
+        name: Resource(name, tuple(items),
+                       sharing.fail_requests_greater_than_one and name in shared_names,
+                       strategy if name in shared_names else "none")
         for name, items in sorted(devices.items())
     }
-    return ResourcePlan(resources, tuple(problems))
+    return ResourcePlan(resources, tuple(problems), tuple(warnings))
 
 
 class PlanCache:

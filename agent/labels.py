@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from agent.config import AgentConfig
-from agent.inventory import GPU_RESOURCE, Resource, mig_resource, plan, replicas_for, sanitise
+from collections import Counter
+
+from agent.config import AgentConfig, ReplicatedResource
+from agent.inventory import GPU_RESOURCE, mig_resource, sanitise
+from agent.nvml.backend import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
 OWN_PREFIX = "gpu-node-agent.io/"
@@ -21,31 +24,112 @@ def family(major: int, minor: int) -> str:
     return _FAMILIES.get(major, "undefined")
 
 
-def _mig_labels(state: NodeState, config: AgentConfig, product: str) -> dict[str, str]:
-    """mig.strategy, and per-profile labels as GPU feature discovery writes them for single and mixed."""
+GFD_VGA_CLASS = 0x030000
+GFD_3D_CLASS = 0x030200
+VIRTUALIZATION_VGPU = 2
+"""NVML_GPU_VIRTUALIZATION_MODE_VGPU: the GPU is a vGPU in a guest."""
+
+
+def _entry(config: AgentConfig, resource: str) -> ReplicatedResource | None:
+    """The sharing entry GPU feature discovery reads for a resource: the first with its name."""
+    return next((e for e in config.sharing.replicated.resources if e.name == resource), None)
+
+
+def _resource_labels(config: AgentConfig, resource: str, parts: list[str], count: int,
+                     with_sharing: bool = True) -> dict[str, str]:
+    """product, count, replicas and sharing-strategy of one resource, as GPU feature discovery writes them:
+    the product is the sanitised parts joined with '-', plus -SHARED when the resource is shared under its
+    own name."""
+    entry = _entry(config, resource) if with_sharing else None
+    shared = entry is not None and entry.replicas > 1
+    renamed = entry is not None and (entry.rename is not None or config.sharing.replicated.rename_by_default)
+    product = "-".join(p for p in (sanitise(part) for part in parts) if p)
+    if shared and not renamed:
+        product += "-SHARED"
+    replicas = (entry.replicas if entry is not None else 1) if with_sharing else 0
+    return {
+        f"{resource}.product": product[:63],
+        f"{resource}.count": str(count),
+        f"{resource}.replicas": str(replicas),
+        f"{resource}.sharing-strategy": config.sharing.strategy if shared else "none",
+    }
+
+
+def _mig_attributes(resource: str, mig: MigDeviceInfo) -> dict[str, str]:
+    return {
+        f"{resource}.memory": str(mig.attribute_memory_mib),
+        f"{resource}.multiprocessors": str(mig.multiprocessors),
+        f"{resource}.slices.gi": str(mig.gi_slices),
+        f"{resource}.slices.ci": str(mig.ci_slices),
+        f"{resource}.engines.copy": str(mig.copy_engines),
+        f"{resource}.engines.decoder": str(mig.decoders),
+        f"{resource}.engines.encoder": str(mig.encoders),
+        f"{resource}.engines.jpeg": str(mig.jpegs),
+        f"{resource}.engines.ofa": str(mig.ofas),
+    }
+
+
+def _gpu_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
+    """The nvidia.com/gpu.* labels of the whole GPUs: per model, MIG-enabled GPUs first without sharing, then
+    the others with it, so a model with any whole GPU is labelled as shared or not by the config."""
+    labels: dict[str, str] = {}
+    gpus = state.inventory.gpus
+    counts = Counter(g.name for g in gpus)
+    for mig_enabled in (True, False):
+        for name in sorted({g.name for g in gpus if g.mig_enabled == mig_enabled}):
+            first = next(g for g in gpus if g.name == name and g.mig_enabled == mig_enabled)
+            labels.update(_resource_labels(config, GPU_RESOURCE, [name], counts[name], not mig_enabled))
+            labels[f"{GPU_RESOURCE}.memory"] = str(first.memory_mib)
+            if first.compute_capability[0]:
+                labels[f"{GPU_RESOURCE}.family"] = family(*first.compute_capability)
+                labels[f"{GPU_RESOURCE}.compute.major"] = str(first.compute_capability[0])
+                labels[f"{GPU_RESOURCE}.compute.minor"] = str(first.compute_capability[1])
+    return labels
+
+
+def _mig_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
+    """mig.strategy, and the MIG device labels GPU feature discovery writes for single and mixed."""
     strategy = config.flags.mig_strategy
     if strategy == "none":
         return {}
     labels: dict[str, str] = {"nvidia.com/mig.strategy": strategy}
-    gpus = {g.index: g for g in state.inventory.gpus}
-    resources = plan(state, config).resources
-    for profile in sorted({m.profile for m in state.inventory.mig_devices}):
-        devices = [m for m in state.inventory.mig_devices if m.profile == profile]
-        memory = str(devices[0].memory_mib)
-        if strategy == "single":
-            advertised = [d for d in resources.get(GPU_RESOURCE, Resource(GPU_RESOURCE, ())).devices
-                          if d.kind == "mig"]
-            if advertised:
-                labels["nvidia.com/gpu.product"] = f"{product}-MIG-{profile}"
-                labels["nvidia.com/gpu.count"] = str(len({d.id.split("::")[0] for d in advertised}))
-                labels["nvidia.com/gpu.memory"] = memory
-            continue
-        prefix = mig_resource(profile)
-        labels[f"{prefix}.count"] = str(len(devices))
-        labels[f"{prefix}.memory"] = memory
-        labels[f"{prefix}.product"] = f"{product}-MIG-{profile}"
-        labels[f"{prefix}.replicas"] = str(replicas_for(config, prefix, gpus[devices[0].parent_index]))
+    inv = state.inventory
+    parents = {g.index: g for g in inv.gpus}
+    by_profile: dict[str, list[MigDeviceInfo]] = {}
+    for m in inv.mig_devices:
+        by_profile.setdefault(m.profile, []).append(m)
+    if strategy == "mixed":
+        for profile, devices in sorted(by_profile.items()):
+            resource = mig_resource(profile)
+            model = parents[devices[0].parent_index].name
+            labels.update(_resource_labels(config, resource, [model, "MIG", profile], len(devices)))
+            labels.update(_mig_attributes(resource, devices[0]))
+        return labels
+    enabled = [g for g in inv.gpus if g.mig_enabled]
+    if not enabled:
+        return labels
+    invalid = (any(not any(m.parent_index == g.index for m in inv.mig_devices) for g in enabled)
+               or len(enabled) != len(inv.gpus) or len(by_profile) != 1)
+    if invalid:
+        labels.update({
+            f"{GPU_RESOURCE}.product": "-".join(sanitise(p) for p in (enabled[0].name, "MIG", "INVALID")),
+            f"{GPU_RESOURCE}.count": "0",
+            f"{GPU_RESOURCE}.replicas": "0",
+            f"{GPU_RESOURCE}.sharing-strategy": "",
+            f"{GPU_RESOURCE}.memory": "0",
+        })
+        return labels
+    ((profile, devices),) = by_profile.items()
+    labels.update(_resource_labels(config, GPU_RESOURCE, [enabled[0].name, "MIG", profile], len(devices)))
+    labels.update(_mig_attributes(GPU_RESOURCE, devices[0]))
     return labels
+
+
+def _gpu_mode(gpus: tuple[GpuInfo, ...]) -> str:
+    classes = {g.pci_class for g in gpus}
+    if len(classes) != 1:
+        return "unknown"
+    return {GFD_VGA_CLASS: "graphics", GFD_3D_CLASS: "compute"}.get(classes.pop() or -1, "unknown")
 
 
 def _nvlink_groups(state: NodeState) -> list[set[int]]:
@@ -69,34 +153,38 @@ def _nvlink_groups(state: NodeState) -> list[set[int]]:
 
 
 def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
+    """Every label GPU feature discovery publishes for the node (same names and value formats, including the
+    deprecated cuda.driver.* and cuda.runtime.*), then the agent's own topology labels."""
     inv = state.inventory
     labels: dict[str, str] = {}
     driver = inv.driver.version.split(".")
     cuda_major, _, cuda_minor = inv.driver.cuda.partition(".")
+    revision = driver[2] if len(driver) > 2 else ""
+    labels["nvidia.com/cuda.driver.major"] = driver[0]
+    labels["nvidia.com/cuda.driver.minor"] = driver[1] if len(driver) > 1 else ""
+    labels["nvidia.com/cuda.driver.rev"] = revision
     labels["nvidia.com/cuda.driver-version.full"] = inv.driver.version
     labels["nvidia.com/cuda.driver-version.major"] = driver[0]
-    labels["nvidia.com/cuda.driver-version.minor"] = driver[1] if len(driver) > 1 else "0"
-    labels["nvidia.com/cuda.driver-version.revision"] = driver[2] if len(driver) > 2 else "0"
-    labels["nvidia.com/cuda.runtime-version.full"] = inv.driver.cuda
+    labels["nvidia.com/cuda.driver-version.minor"] = driver[1] if len(driver) > 1 else ""
+    labels["nvidia.com/cuda.driver-version.revision"] = revision
+    labels["nvidia.com/cuda.runtime.major"] = cuda_major
+    labels["nvidia.com/cuda.runtime.minor"] = cuda_minor or "0"
+    labels["nvidia.com/cuda.runtime-version.full"] = f"{cuda_major}.{cuda_minor or '0'}"
     labels["nvidia.com/cuda.runtime-version.major"] = cuda_major
     labels["nvidia.com/cuda.runtime-version.minor"] = cuda_minor or "0"
+    if state.labelled_at and not config.flags.gfd.no_timestamp:
+        labels["nvidia.com/gfd.timestamp"] = str(state.labelled_at)
+    labels["nvidia.com/vgpu.present"] = str(any(g.virtualization_mode == VIRTUALIZATION_VGPU
+                                                for g in inv.gpus)).lower()
     if not inv.gpus:
         return labels
-    first = inv.gpus[0]
-    product = sanitise(first.name)
-    slicing = config.sharing.time_slicing
-    shared = any(e.name == GPU_RESOURCE for e in slicing.resources)
-    renamed = slicing.rename_by_default or any(e.name == GPU_RESOURCE and e.rename for e in slicing.resources)
-    labels["nvidia.com/gpu.count"] = str(len(inv.gpus))
-    labels["nvidia.com/gpu.product"] = product + ("-SHARED" if shared and not renamed else "")
-    labels["nvidia.com/gpu.memory"] = str(first.memory_mib)
-    labels["nvidia.com/gpu.family"] = family(*first.compute_capability)
-    labels["nvidia.com/gpu.compute.major"] = str(first.compute_capability[0])
-    labels["nvidia.com/gpu.compute.minor"] = str(first.compute_capability[1])
-    labels["nvidia.com/gpu.replicas"] = str(replicas_for(config, GPU_RESOURCE, first))
-    labels["nvidia.com/gpu.sharing-strategy"] = "time-slicing" if shared else "none"
+    labels["nvidia.com/gpu.machine"] = sanitise(state.machine) or "unknown"
     labels["nvidia.com/mig.capable"] = str(any(g.mig_capable for g in inv.gpus)).lower()
-    labels.update(_mig_labels(state, config, product))
+    mps = config.sharing.strategy == "mps"
+    labels["nvidia.com/mps.capable"] = str(mps and not any(g.mig_enabled for g in inv.gpus)).lower()
+    labels["nvidia.com/gpu.mode"] = _gpu_mode(inv.gpus)
+    labels.update(_gpu_labels(state, config))
+    labels.update(_mig_labels(state, config))
     numa = [g.numa_node for g in inv.gpus]
     per_numa: dict[int | None, int] = {}
     for node in numa:
@@ -113,11 +201,14 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
 OWNED_NVIDIA_KEYS = frozenset(
     "nvidia.com/" + k
     for k in (
+        "cuda.driver.major", "cuda.driver.minor", "cuda.driver.rev", "cuda.runtime.major", "cuda.runtime.minor",
         "cuda.driver-version.full", "cuda.driver-version.major", "cuda.driver-version.minor",
         "cuda.driver-version.revision", "cuda.runtime-version.full", "cuda.runtime-version.major",
-        "cuda.runtime-version.minor", "gpu.count", "gpu.product", "gpu.memory", "gpu.family",
-        "gpu.compute.major", "gpu.compute.minor", "gpu.replicas", "gpu.sharing-strategy", "mig.capable",
-        "mig.strategy", "mig.config.state",
+        "cuda.runtime-version.minor", "gfd.timestamp", "vgpu.present", "gpu.machine", "gpu.mode", "gpu.count",
+        "gpu.product", "gpu.memory", "gpu.family", "gpu.compute.major", "gpu.compute.minor", "gpu.replicas",
+        "gpu.sharing-strategy", "gpu.multiprocessors", "gpu.slices.gi", "gpu.slices.ci", "gpu.engines.copy",
+        "gpu.engines.decoder", "gpu.engines.encoder", "gpu.engines.jpeg", "gpu.engines.ofa", "mig.capable",
+        "mps.capable", "mig.strategy", "mig.config.state",
     )
 )
 

@@ -65,6 +65,13 @@ class NodeState:
     mig_status: MigStatus | None = None
     config_request: str | None = None
     """The named config the Node's nvidia.com/device-plugin.config label asks for; None when it has none."""
+    mps: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """MPS control daemons by GPU UUID: "" when the GPU's daemon is up, else why not. A GPU missing here has
+    no daemon yet."""
+    machine: str = "unknown"
+    """The machine type (flags.gfd.machineTypeFile, e.g. the DMI product name), for nvidia.com/gpu.machine."""
+    labelled_at: int = 0
+    """Unix time the agent started; nvidia.com/gfd.timestamp."""
 
     def gpu_health(self, uuid: str) -> DeviceHealth:
         return self.health.get(uuid, HEALTHY)
@@ -82,8 +89,9 @@ class NodeState:
 
     def evolve(self, **changes: object) -> NodeState:
         """The next version with the given fields replaced."""
-        if "health" in changes:
-            changes["health"] = MappingProxyType(dict(changes["health"]))  # type: ignore[call-overload]
+        for name in ("health", "mps"):
+            if name in changes:
+                changes[name] = MappingProxyType(dict(changes[name]))  # type: ignore[call-overload]
         return dataclasses.replace(self, version=self.version + 1, **changes)  # type: ignore[arg-type]
 
 

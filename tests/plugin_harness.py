@@ -17,7 +17,7 @@ import pynvml
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.simulate import StandInKubelet
@@ -74,7 +74,7 @@ async def running_agent(
 ) -> AsyncIterator[Rig]:
     directory = short_dir()
     fake = fake or FakeNvml(load_node(node))
-    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend = fake_backend(fake)
     kubelet = StandInKubelet(directory)
     if kubelet_first:
         await kubelet.start()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from agent.deviceplugin.response import NodeFiles, RequestError, container_response
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import Device, Resource, ResourcePlan
 from agent.metrics import Metrics
@@ -27,10 +28,6 @@ Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[
 
 PreferFor = Callable[[Resource], Prefer]
 """The preference policy for a resource (whole GPUs, MIG devices, or replicas)."""
-
-
-class RequestError(ValueError):
-    """A request the kubelet sent cannot be served; the message names the offending ID."""
 
 
 def to_proto(devices: tuple[Device, ...]) -> api_pb2.ListAndWatchResponse:
@@ -65,17 +62,6 @@ def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, ne
     return list(found.values())
 
 
-def container_response(chosen: list[Device], strategies: tuple[str, ...]) -> api_pb2.ContainerAllocateResponse:
-    """What the runtime needs for the chosen devices; replicas of one GPU collapse into that GPU."""
-    visible = list(dict.fromkeys(d.visible for d in chosen))
-    response = api_pb2.ContainerAllocateResponse()
-    if "envvar" in strategies:
-        response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(visible)
-    if "cdi" in strategies:
-        response.cdi_devices.extend(api_pb2.CDIDevice(name=f"nvidia.com/gpu={v}") for v in visible)
-    return response
-
-
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
 
@@ -86,8 +72,10 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         plan_of: PlanOf,
         prefer_for: PreferFor,
         metrics: Metrics | None = None,
+        files: NodeFiles | None = None,
     ) -> None:
         self.resource = resource
+        self._files = files or NodeFiles()
         self._metrics = metrics
         self._bus = bus
         self._plan_of = plan_of
@@ -178,7 +166,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                         f"found {len(creq.devices_ids)}"
                     )
                 chosen = lookup(self.resource, resource.devices, creq.devices_ids, need_healthy=True)
-                responses.append(container_response(chosen, state.config.flags.plugin.device_list_strategy))
+                responses.append(container_response(chosen, resource, state.inventory, state.config, self._files))
                 if self._metrics:
                     self._metrics.allocations.labels(resource=self.resource).inc(len(chosen))
         except RequestError as err:

@@ -65,6 +65,10 @@ class GpuInfo:
     mig_capable: bool
     mig_enabled: bool
     mig_pending: bool
+    pci_class: int | None = None
+    """The PCI class code (0x030200 a 3D controller, a GPU in compute mode; 0x030000 VGA, display mode)."""
+    virtualization_mode: int = 0
+    """NVML_GPU_VIRTUALIZATION_MODE_*: 0 bare metal, 1 passthrough, 2 a vGPU in a guest."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,16 @@ class MigDeviceInfo:
     memory_mib: int
     placement_start: int
     placement_size: int
+    multiprocessors: int = 0
+    gi_slices: int = 0
+    ci_slices: int = 0
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpegs: int = 0
+    ofas: int = 0
+    attribute_memory_mib: int = 0
+    """nvmlDeviceGetAttributes: what GPU feature discovery labels a MIG profile with."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +155,18 @@ def sysfs_numa_node(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> i
     return value if value >= 0 else None
 
 
+def sysfs_pci_class(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> int | None:
+    """The PCI class code of a device from sysfs (``class``, e.g. 0x030200), or None when unreadable."""
+    bdf = bus_id.lower()
+    domain, sep, rest = bdf.partition(":")
+    if sep and len(domain) == 8:
+        bdf = domain[4:] + ":" + rest
+    try:
+        return int((root / bdf / "class").read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
 def _text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode(errors="replace").rstrip("\x00")
@@ -162,6 +188,7 @@ class NvmlBackend:
 
     lib: Any
     numa_lookup: NumaLookup = sysfs_numa_node
+    pci_class_lookup: NumaLookup = sysfs_pci_class
     _handles: list[Any] = field(default_factory=list)
     _uuid_by_handle: dict[int | None, str] = field(default_factory=dict)
     """GPU UUIDs by handle address, read at init: an event from a GPU that is off the bus still names it."""
@@ -223,6 +250,10 @@ class NvmlBackend:
             mig_pending = pending != current
         except pynvml.NVMLError_NotSupported:
             pass
+        try:
+            virtualization = int(lib.nvmlDeviceGetVirtualizationMode(h))
+        except pynvml.NVMLError_NotSupported:
+            virtualization = pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
         return GpuInfo(
             index=index,
             uuid=_text(lib.nvmlDeviceGetUUID(h)),
@@ -236,6 +267,8 @@ class NvmlBackend:
             mig_capable=mig_capable,
             mig_enabled=mig_enabled,
             mig_pending=mig_pending,
+            pci_class=self.pci_class_lookup(bus_id),
+            virtualization_mode=virtualization,
         )
 
     def _nvlinks(self, h: Any) -> Iterator[tuple[bool, str]]:
@@ -299,6 +332,7 @@ class NvmlBackend:
                 continue
             gi_id = int(lib.nvmlDeviceGetGpuInstanceId(mh))
             gi_info = lib.nvmlGpuInstanceGetInfo(lib.nvmlDeviceGetGpuInstanceById(h, gi_id))
+            attrs = lib.nvmlDeviceGetAttributes(mh)
             devices.append(
                 MigDeviceInfo(
                     uuid=_text(lib.nvmlDeviceGetUUID(mh)),
@@ -309,6 +343,15 @@ class NvmlBackend:
                     memory_mib=int(lib.nvmlDeviceGetMemoryInfo(mh).total) // (1024 * 1024),
                     placement_start=int(gi_info.placement.start),
                     placement_size=int(gi_info.placement.size),
+                    multiprocessors=int(attrs.multiprocessorCount),
+                    gi_slices=int(attrs.gpuInstanceSliceCount),
+                    ci_slices=int(attrs.computeInstanceSliceCount),
+                    copy_engines=int(attrs.sharedCopyEngineCount),
+                    decoders=int(attrs.sharedDecoderCount),
+                    encoders=int(attrs.sharedEncoderCount),
+                    jpegs=int(attrs.sharedJpegCount),
+                    ofas=int(attrs.sharedOfaCount),
+                    attribute_memory_mib=int(attrs.memorySizeMB),
                 )
             )
         return sorted(devices, key=lambda d: (d.placement_start, d.compute_instance_id))
@@ -410,7 +453,12 @@ def open_backend(selector: str, mock_state: Path | None = None) -> NvmlBackend:
     from agent.nvml.nodefile import load_node
 
     fake = FakeNvml(load_node(source), mock_state)
-    return NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    return fake_backend(fake)
+
+
+def fake_backend(fake: Any) -> NvmlBackend:
+    """A backend over the fake NVML, with the sysfs facts (NUMA node, PCI class) the fake's node gives."""
+    return NvmlBackend(lib=fake, numa_lookup=fake.numa_node, pci_class_lookup=fake.pci_class)
 
 
 # -- MIG: reading GPU instances and changing them (only agent/mig/ calls these) --------------------------

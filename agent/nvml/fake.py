@@ -70,6 +70,9 @@ _SWITCH_BUS_BASE = 0xE0
 
 _CArgObject = type(ctypes.byref(ctypes.c_uint()))
 
+PCI_3D_CONTROLLER = 0x030200
+"""PCI class code of a 3D controller: a GPU in compute mode."""
+
 
 def _nvml_error(code: int) -> pynvml.NVMLError:
     error: pynvml.NVMLError = pynvml.NVMLError(code)
@@ -818,6 +821,11 @@ class FakeNvml(FakeTelemetry):
         return self.spec.gpus[self._device(handle).gpu].minor_number
 
     @_api()
+    def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
+        self._device(handle)
+        return int(pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)  # bare metal
+
+    @_api()
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return self.spec.gpus[self._device(handle).gpu].serial
 
@@ -1463,6 +1471,12 @@ class FakeNvml(FakeTelemetry):
             raise ValueError(f"unknown NVML error code {error_code}")
         with self._lock:
             self._failures.setdefault(str(name), deque()).extend([error_code] * times)
+
+    def pci_class(self, bus_id: str) -> int | None:
+        """The PCI class code Linux would report (sysfs ``class``): the simulated GPUs are 3D controllers (compute
+        mode, no display), as data-centre GPUs are; None for a device that is not one of them."""
+        normalized = normalize_bus_id(bus_id)
+        return PCI_3D_CONTROLLER if normalized is not None and normalized in self._by_bus else None
 
     def numa_node(self, bus_id: str) -> int | None:
         """The NUMA node Linux would report for a PCI device (sysfs ``numa_node``); None when unknown."""

@@ -37,6 +37,8 @@ class Preferences:
         return self._topology
 
     def __call__(self, resource: Resource) -> Prefer:
+        if resource.sharing == "mps":
+            return self._packed  # one MPS client talks to one GPU's daemon: keep a request on one GPU
         if any(d.shared for d in resource.devices):
             return self._shared
         if any(d.kind == "mig" for d in resource.devices):
@@ -52,9 +54,15 @@ class Preferences:
     def _shared(
         self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int
     ) -> list[str]:
-        policy = self._current().config.sharing.allocation_policy
+        policy = self._current().config.allocation_policy
         replicas = {d.id: d.gpu_index for d in devices}
         return preferred_shared(self.topology(), replicas, available, must, size, policy)
+
+    def _packed(
+        self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int
+    ) -> list[str]:
+        replicas = {d.id: d.gpu_index for d in devices}
+        return preferred_shared(self.topology(), replicas, available, must, size, "packed")
 
     @staticmethod
     def _mig(devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:

@@ -30,9 +30,22 @@ def test_nvidia_key_names_are_accepted() -> None:
     ("text", "message"),
     [
         ("version: v2\n", "cfg.yaml: version: got 'v2'; expected 'v1'"),
-        ("flags: {}\n", "cfg.yaml: version: Field required"),
-        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: volume-mounts\n",
-         "cfg.yaml: flags.plugin.deviceListStrategy[0]: got 'volume-mounts'; expected 'envvar' or 'cdi'"),
+        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: volume-mount\n",
+         "cfg.yaml: flags.plugin.deviceListStrategy[0]: got 'volume-mount'; expected 'envvar', 'volume-mounts', "
+         "'cdi-annotations', 'cdi-cri' or 'cdi'"),
+        ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [cdi, cdi-cri]\n",
+         "cfg.yaml: flags.plugin.deviceListStrategy: lists a strategy twice"),
+        ("version: v1\nimex:\n  channelIDs: [1]\n", "cfg.yaml: imex.channelIDs: must be [] or [0], got [1]"),
+        ("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/mig-1g.10gb, replicas: 2}\n",
+         "cfg.yaml: sharing.mps.resources: MPS shares whole GPUs only (nvidia.com/gpu), not nvidia.com/mig-1g.10gb"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
+         "cfg.yaml: sharing.timeSlicing.resources[0].replicas: Input should be greater than or equal to 2"),
+        ("version: v1\nresources:\n  gpus:\n  - {pattern: '*', name: GPU_H100}\n",
+         "cfg.yaml: resources.gpus[0].name: 'nvidia.com/GPU_H100' is not a resource name under nvidia.com/ "
+         "(lower case, digits, '-', '.')"),
+        ("version: v1\nsharing:\n  timeSlicing:\n    resources: [{name: nvidia.com/gpu, replicas: 2}]\n"
+         "  mps:\n    resources: [{name: nvidia.com/gpu, replicas: 2}]\n",
+         "cfg.yaml: sharing: timeSlicing and mps both share resources; a node uses one sharing strategy"),
         ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, envvar]\n",
          "cfg.yaml: flags.plugin.deviceListStrategy: lists a strategy twice"),
         ("version: v1\nflags:\n  migStrategee: none\n", "cfg.yaml: flags.migStrategee: unknown key"),

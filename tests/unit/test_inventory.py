@@ -7,7 +7,7 @@ import pytest
 from agent.config import parse_config
 from agent.inventory import plan, sharing_conflicts
 from agent.labels import node_labels
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import DeviceHealth, NodeState
@@ -22,7 +22,7 @@ def node(preset: str = "dgx-h100", config: str = "version: v1\n", mig: dict[int,
     fake = FakeNvml(load_node(preset))
     for gpu, instances in (mig or {}).items():
         carve_mig(fake, gpu, instances)
-    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend = fake_backend(fake)
     backend.init()
     return NodeState(version=1, inventory=backend.inventory(), config=parse_config(config))
 
@@ -183,14 +183,41 @@ def test_mig_labels_for_mixed_and_single() -> None:
         "nvidia.com/mig-1g.10gb.memory": "9984",
         "nvidia.com/mig-1g.10gb.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
         "nvidia.com/mig-1g.10gb.replicas": "1",
+        "nvidia.com/mig-1g.10gb.engines.copy": "1",
+        "nvidia.com/mig-1g.10gb.engines.decoder": "1",
+        "nvidia.com/mig-1g.10gb.engines.encoder": "0",
+        "nvidia.com/mig-1g.10gb.engines.jpeg": "1",
+        "nvidia.com/mig-1g.10gb.engines.ofa": "0",
+        "nvidia.com/mig-1g.10gb.multiprocessors": "16",
+        "nvidia.com/mig-1g.10gb.sharing-strategy": "none",
+        "nvidia.com/mig-1g.10gb.slices.ci": "1",
+        "nvidia.com/mig-1g.10gb.slices.gi": "1",
         "nvidia.com/mig-2g.20gb.count": "1",
         "nvidia.com/mig-2g.20gb.memory": "20096",
         "nvidia.com/mig-2g.20gb.product": "NVIDIA-H100-80GB-HBM3-MIG-2g.20gb",
         "nvidia.com/mig-2g.20gb.replicas": "1",
+        "nvidia.com/mig-2g.20gb.engines.copy": "2",
+        "nvidia.com/mig-2g.20gb.engines.decoder": "2",
+        "nvidia.com/mig-2g.20gb.engines.encoder": "0",
+        "nvidia.com/mig-2g.20gb.engines.jpeg": "2",
+        "nvidia.com/mig-2g.20gb.engines.ofa": "0",
+        "nvidia.com/mig-2g.20gb.multiprocessors": "32",
+        "nvidia.com/mig-2g.20gb.sharing-strategy": "none",
+        "nvidia.com/mig-2g.20gb.slices.ci": "2",
+        "nvidia.com/mig-2g.20gb.slices.gi": "2",
         "nvidia.com/mig-3g.40gb.count": "1",
         "nvidia.com/mig-3g.40gb.memory": "40448",
         "nvidia.com/mig-3g.40gb.product": "NVIDIA-H100-80GB-HBM3-MIG-3g.40gb",
         "nvidia.com/mig-3g.40gb.replicas": "1",
+        "nvidia.com/mig-3g.40gb.engines.copy": "3",
+        "nvidia.com/mig-3g.40gb.engines.decoder": "3",
+        "nvidia.com/mig-3g.40gb.engines.encoder": "0",
+        "nvidia.com/mig-3g.40gb.engines.jpeg": "3",
+        "nvidia.com/mig-3g.40gb.engines.ofa": "0",
+        "nvidia.com/mig-3g.40gb.multiprocessors": "60",
+        "nvidia.com/mig-3g.40gb.sharing-strategy": "none",
+        "nvidia.com/mig-3g.40gb.slices.ci": "3",
+        "nvidia.com/mig-3g.40gb.slices.gi": "3",
     }
     single = node("a100-pcie-nvlink-pairs", config="version: v1\nflags:\n  migStrategy: single\n",
                   mig={i: [("1g.10gb", s) for s in range(7)] for i in range(4)})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from agent.config import DEFAULT_CONFIG
+import dataclasses
+
+from agent.config import DEFAULT_CONFIG, parse_config
 from agent.kube.reconciler import label_diff
 from agent.labels import family, node_labels, owned, sanitise
 from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory, PairLink
@@ -34,6 +36,15 @@ PAIRS = [PairLink(0, 1, 12, "single"), PairLink(0, 2, 0, "system"), PairLink(0, 
 
 def test_labels_of_a_node_with_nvlink_pairs() -> None:
     assert node_labels(state(PAIRS), DEFAULT_CONFIG) == {
+        "nvidia.com/cuda.driver.major": "570",
+        "nvidia.com/cuda.driver.minor": "133",
+        "nvidia.com/cuda.driver.rev": "20",
+        "nvidia.com/cuda.runtime.major": "12",
+        "nvidia.com/cuda.runtime.minor": "8",
+        "nvidia.com/gpu.machine": "unknown",
+        "nvidia.com/gpu.mode": "unknown",
+        "nvidia.com/mps.capable": "false",
+        "nvidia.com/vgpu.present": "false",
         "nvidia.com/cuda.driver-version.full": "570.133.20",
         "nvidia.com/cuda.driver-version.major": "570",
         "nvidia.com/cuda.driver-version.minor": "133",
@@ -71,6 +82,37 @@ def test_family_and_sanitise() -> None:
     ]
     assert sanitise("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
     assert sanitise("Tesla T4 (rev a1)") == "Tesla-T4-rev-a1"
+    assert sanitise("NVIDIA A100-SXM4-40GB") == "NVIDIA-A100-SXM4-40GB"
+    assert sanitise("DGX H100/H200 (Station)") == "DGX-H100H200-Station"  # GFD drops, not replaces
+
+
+def test_machine_mode_timestamp_and_a_driver_without_revision() -> None:
+    base = state(PAIRS)
+    node = base.evolve(
+        inventory=NodeInventory(
+            driver=DriverInfo("580.65", "13.0"),
+            gpus=tuple(dataclasses.replace(g, pci_class=0x030000) for g in base.inventory.gpus),
+            links=base.inventory.links,
+        ),
+        machine="ProLiant DL380 Gen11", labelled_at=1764748800,
+    )
+    labels = node_labels(node, DEFAULT_CONFIG)
+    assert {k: labels[k] for k in (
+        "nvidia.com/gpu.machine", "nvidia.com/gpu.mode", "nvidia.com/gfd.timestamp",
+        "nvidia.com/cuda.driver.rev", "nvidia.com/cuda.driver-version.revision", "nvidia.com/cuda.runtime.major",
+    )} == {
+        "nvidia.com/gpu.machine": "ProLiant-DL380-Gen11",
+        "nvidia.com/gpu.mode": "graphics",
+        "nvidia.com/gfd.timestamp": "1764748800",
+        "nvidia.com/cuda.driver.rev": "",
+        "nvidia.com/cuda.driver-version.revision": "",
+        "nvidia.com/cuda.runtime.major": "13",
+    }
+    quiet = parse_config("version: v1\nflags:\n  gfd:\n    noTimestamp: true\n")
+    assert "nvidia.com/gfd.timestamp" not in node_labels(node, quiet)
+    mixed_classes = node.evolve(inventory=dataclasses.replace(node.inventory, gpus=(
+        dataclasses.replace(node.inventory.gpus[0], pci_class=0x030200), *node.inventory.gpus[1:])))
+    assert node_labels(mixed_classes, DEFAULT_CONFIG)["nvidia.com/gpu.mode"] == "unknown"
 
 
 def test_owned_keys() -> None:

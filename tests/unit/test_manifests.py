@@ -211,7 +211,8 @@ def test_policy_lets_the_agent_write_every_label_it_owns() -> None:
     foreign = variable("foreignLabelKeys")
     prefixes = re.findall(r"startsWith\('([^']+)'\)", foreign)
     reserved = re.findall(r"k == '([^']+)'", foreign)
-    owned_prefixes = ["nvidia.com/gpu.", "nvidia.com/mig.", "nvidia.com/cuda.", "nvidia.com/mig-", "gpu-node-agent.io/"]
+    owned_prefixes = ["nvidia.com/gpu.", "nvidia.com/mig.", "nvidia.com/cuda.", "nvidia.com/mig-", "nvidia.com/mps.",
+                      "nvidia.com/vgpu.", "nvidia.com/gfd.", "gpu-node-agent.io/"]
     assert prefixes == [*owned_prefixes, "nvidia.com/gpu.deploy."]
     assert reserved == ["nvidia.com/mig.config", "nvidia.com/gpu.present"]
     assert variable("oldForeignLabelKeys") == foreign.replace("variables.labels", "variables.oldLabels")

@@ -1,0 +1,138 @@
+"""Pure: what one container's Allocate response carries for the devices the kubelet chose, per the config's
+device-list strategies, passDeviceSpecs, MPS and the other flags of NVIDIA's config v1."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from agent.config import AgentConfig
+from agent.deviceplugin.v1beta1 import api_pb2
+from agent.inventory import Device, Resource
+from agent.nvml.backend import NodeInventory
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+DEVICE_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+"""volume-mounts: each device is a /dev/null mount under this directory, which NVIDIA_VISIBLE_DEVICES names."""
+OPTIONAL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
+MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
+MPS_CONTAINER_ROOT = PurePosixPath("/mps")
+CDI_PLUGIN_NAME = "gpu-node-agent"
+
+
+class RequestError(ValueError):
+    """A request the kubelet sent cannot be served; the message names the offending ID."""
+
+
+@dataclass(frozen=True)
+class NodeFiles:
+    """What the response needs from the node's files, read once at start: the optional control device nodes
+    that exist, the MIG capability minors (/proc/driver/nvidia-caps/mig-minors) and the IMEX channel."""
+
+    control_nodes: tuple[str, ...] = ()
+    mig_minors: Mapping[str, int] = field(default_factory=dict)
+    imex_channel: bool = False
+
+    @classmethod
+    def read(cls, exists: Callable[[str], bool] = os.path.exists, mig_minors: Path = MIG_MINORS) -> NodeFiles:
+        minors: dict[str, int] = {}
+        try:
+            for line in mig_minors.read_text().splitlines():
+                name, _, minor = line.partition(" ")
+                if minor.strip().isdigit():
+                    minors[name] = int(minor)
+        except OSError:
+            pass
+        return cls(tuple(p for p in OPTIONAL_NODES if exists(p)), minors, exists(IMEX_CHANNEL))
+
+
+def mps_pipe_dir(root: Path, gpu_uuid: str) -> Path:
+    return root / gpu_uuid / "pipe"
+
+
+def mps_log_dir(root: Path, gpu_uuid: str) -> Path:
+    return root / gpu_uuid / "log"
+
+
+def _device_nodes(chosen: list[Device], inventory: NodeInventory, files: NodeFiles) -> list[str]:
+    """The device nodes a container needs for the chosen devices, as NVIDIA's plugin passes them."""
+    minors = {g.uuid: g.minor for g in inventory.gpus}
+    migs = {m.uuid: m for m in inventory.mig_devices}
+    paths = list(dict.fromkeys(f"/dev/nvidia{minors[d.gpu_uuid]}" for d in chosen))
+    for d in chosen:
+        mig = migs.get(d.id.split("::")[0]) if d.kind == "mig" else None
+        if mig is None:
+            continue
+        gpu = f"gpu{minors[d.gpu_uuid]}/gi{mig.gpu_instance_id}"
+        for cap in (f"{gpu}/access", f"{gpu}/ci{mig.compute_instance_id}/access"):
+            if cap in files.mig_minors:
+                paths.append(f"/dev/nvidia-caps/nvidia-cap{files.mig_minors[cap]}")
+    return [*dict.fromkeys(paths), *files.control_nodes]
+
+
+def _mps(response: api_pb2.ContainerAllocateResponse, chosen: list[Device], resource: Resource,
+         inventory: NodeInventory, config: AgentConfig) -> None:
+    gpus = {d.gpu_uuid for d in chosen}
+    if len(gpus) > 1:
+        raise RequestError(f"MPS replicas of {resource.name} from {len(gpus)} GPUs cannot share one MPS client; "
+                           "ask for replicas of one GPU")
+    (gpu_uuid,) = gpus
+    replicas = chosen[0].replicas
+    memory = next(g.memory_mib for g in inventory.gpus if g.uuid == gpu_uuid)
+    root = config.flags.mps_root
+    pipe, log = MPS_CONTAINER_ROOT / "pipe", MPS_CONTAINER_ROOT / "log"
+    response.envs["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+    response.envs["CUDA_MPS_LOG_DIRECTORY"] = str(log)
+    response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 * len(chosen) // replicas)
+    response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={memory * len(chosen) // replicas}M"
+    response.mounts.extend([
+        api_pb2.Mount(container_path=str(pipe), host_path=str(mps_pipe_dir(root, gpu_uuid))),
+        api_pb2.Mount(container_path=str(log), host_path=str(mps_log_dir(root, gpu_uuid))),
+        api_pb2.Mount(container_path="/dev/shm", host_path=str(root / "shm")),
+    ])
+
+
+def container_response(chosen: list[Device], resource: Resource, inventory: NodeInventory, config: AgentConfig,
+                       files: NodeFiles = NodeFiles(), response_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+                       ) -> api_pb2.ContainerAllocateResponse:
+    """What the runtime needs for the chosen devices; replicas of one GPU collapse into that GPU."""
+    flags = config.flags
+    strategies = flags.plugin.strategies()
+    visible = list(dict.fromkeys(d.visible for d in chosen))
+    imex = bool(config.imex.channel_ids) and files.imex_channel
+    response = api_pb2.ContainerAllocateResponse()
+    cdi = [f"nvidia.com/gpu={v}" for v in visible] + (["nvidia.com/imex-channel=0"] if imex else [])
+    if "cdi-annotations" in strategies:
+        key = f"{flags.plugin.cdi_annotation_prefix}{CDI_PLUGIN_NAME}_{response_id()}"
+        response.annotations[key] = ",".join(cdi)
+    if "cdi-cri" in strategies:
+        response.cdi_devices.extend(api_pb2.CDIDevice(name=name) for name in cdi)
+    if resource.sharing == "mps":
+        _mps(response, chosen, resource, inventory, config)
+    for enabled, name in ((flags.gdrcopy_enabled, "NVIDIA_GDRCOPY"), (flags.gds_enabled, "NVIDIA_GDS"),
+                          (flags.mofed_enabled, "NVIDIA_MOFED")):
+        if enabled:
+            response.envs[name] = "enabled"
+    if strategies <= {"cdi-annotations", "cdi-cri"}:
+        return response  # CDI alone: the runtime injects everything from the CDI specs
+    if "envvar" in strategies:
+        response.envs[VISIBLE_DEVICES] = ",".join(visible)
+        if imex:
+            response.envs["NVIDIA_IMEX_CHANNELS"] = "0"
+    if "volume-mounts" in strategies:
+        response.envs[VISIBLE_DEVICES] = DEVICE_MOUNT_ROOT
+        names = visible + (["imex/0"] if imex else [])
+        response.mounts.extend(api_pb2.Mount(container_path=f"{DEVICE_MOUNT_ROOT}/{name}", host_path="/dev/null")
+                               for name in names)
+    if flags.plugin.pass_device_specs:
+        paths = _device_nodes(chosen, inventory, files) + ([IMEX_CHANNEL] if imex else [])
+        root = flags.dev_root
+        response.devices.extend(
+            api_pb2.DeviceSpec(container_path=p, host_path=str(root / p.lstrip("/")), permissions="rw")
+            for p in paths
+        )
+    return response
