@@ -198,6 +198,37 @@ def test_lint_is_clean_with_every_value_set(helm: Helm) -> None:
     assert (result.returncode, result.stdout, result.stderr) == (0, LINT_CLEAN, "")
 
 
+def test_helm_is_the_pinned_release(helm: Helm) -> None:
+    pinned = subprocess.run(["bash", str(HELM_SCRIPT), "--print-version"], capture_output=True, text=True, check=True)
+    assert pinned.stdout == "helm v3.19.5\n"
+    assert ok(helm("version", "--template", "{{.Version}}")) == "v3.19.5"
+    # Built with the Kubernetes 1.34 client libraries (hack/helm.sh sets the version they imply), it renders for
+    # Kubernetes 1.34 when no cluster is asked, which the chart's kubeVersion (>= 1.30) admits. Without it, helm
+    # assumes 1.20 and refuses the chart.
+    assert helm("template", RELEASE, str(CHART), "--kube-version", "1.34.0").stdout == ok(
+        helm("template", RELEASE, str(CHART))
+    )
+
+
+def test_clusters_older_than_1_30_are_refused(helm: Helm) -> None:
+    # ValidatingAdmissionPolicy v1 and tokens that name their node came with Kubernetes 1.30.
+    result = helm("template", RELEASE, str(CHART), "--kube-version", "1.29.0")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        "Error: chart requires kubeVersion: >=1.30.0-0 which is incompatible with Kubernetes v1.29.0\n\n"
+        "Use --debug flag to render out invalid YAML\n"
+    )
+
+
+def test_the_packaged_chart_renders_the_same(helm: Helm, tmp_path: Path) -> None:
+    packaged = ok(helm("package", str(CHART), "--destination", str(tmp_path)))
+    archive = tmp_path / "gpu-node-agent-0.1.0.tgz"
+    assert packaged == f"Successfully packaged chart and saved it to: {archive}\n"
+    from_archive = helm("template", RELEASE, str(archive))
+    assert (from_archive.returncode, from_archive.stderr) == (0, "")
+    assert from_archive.stdout == ok(helm("template", RELEASE, str(CHART)))
+
+
 def test_default_values_render_the_kustomize_base(helm: Helm) -> None:
     chart = helm.render()
     base = [doc for doc in yaml.safe_load_all(ok(kubectl("kustomize", str(BASE)))) if doc]
