@@ -33,6 +33,7 @@ from test_manifests_apply import (
     test_agent_token_can_do_only_what_rbac_and_the_policy_allow as agent_token_checks,
 )
 
+from agent.cli import parser
 from agent.config import load_config, parse_config
 from agent.mig.layout import default_layouts_text, parse_layouts
 
@@ -441,6 +442,8 @@ def test_extra_args_and_env(helm: Helm) -> None:
     })  # fmt: skip
     c = container(docs)
     assert c["args"] == [*BASE_ARGS, "--log-format", "text"]
+    # As the agent reads them, a flag given again wins.
+    assert parser().parse_args(c["args"]).log_format == "text"
     assert [e["name"] for e in c["env"]] == [
         "NODE_NAME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_MIG_CONFIG_DEVICES",
         "NVIDIA_MIG_MONITOR_DEVICES", "TZ", "POD_IP",
