@@ -693,6 +693,30 @@ def test_agent_token_of_the_helm_installed_agent(installed: str, rig: ApiServer,
     agent_token_checks(agent, None)
 
 
+def test_install_notes_name_the_configs_that_miss_the_layouts(helm: Helm, rig: ApiServer) -> None:
+    # NVIDIA's configs, given as text, are used as written: with layouts of one's own, the notes say which
+    # configs would not read them.
+    values = yaml.safe_load(NVIDIA_CONFIG_MAP)
+    values["config"]["map"]["mig-mixed"] += "\nmig:\n  layoutsFile: /etc/gpu-agent/mig-layouts.yaml"
+    values["mig"] = {"existingConfigMap": "default-mig-parted-config", "existingConfigMapKey": "config.yaml"}
+    result = helm(
+        "install", "notes", str(CHART), "--dry-run=client", "--set", "namespaceOverride=gpu-notes", "-f", "-",
+        kubeconfig=rig.kubeconfig_path, stdin=json.dumps(values),
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    notes = result.stdout[result.stdout.index("NOTES:\n") :]
+    assert notes == (
+        "NOTES:\n"
+        "gpu-node-agent runs on the nodes labelled nvidia.com/gpu.present=true in namespace gpu-notes.\n\n"
+        "  kubectl get daemonset notes-gpu-node-agent -n gpu-notes\n"
+        "  kubectl get nodes -L nvidia.com/gpu.product,nvidia.com/gpu.count,nvidia.com/mig.config.state\n\n"
+        "Note: config.map.default does not set mig.layoutsFile, so it uses the MIG layouts built into the agent,\n"
+        "not the ones in mig.existingConfigMap. Add `mig: {layoutsFile: /etc/gpu-agent/mig-layouts.yaml}` to it.\n\n"
+        "Note: config.map.mig-single does not set mig.layoutsFile, so it uses the MIG layouts built into the agent,\n"
+        "not the ones in mig.existingConfigMap. Add `mig: {layoutsFile: /etc/gpu-agent/mig-layouts.yaml}` to it.\n"
+    )
+
+
 def test_a_config_change_reaches_the_agents_without_a_rollout(helm: Helm, installed: str, rig: ApiServer,
                                                                admin: User) -> None:  # fmt: skip
     before = json.loads(ok(admin("get", "daemonset", "-n", "gpu-node-agent", RELEASE, "-o", "json")))
