@@ -293,6 +293,7 @@ def cmd_mig(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({
                 "layout": layout.name, "feasible": True, "applied": plan.noop, "untouched": list(plan.untouched),
+                "selects_nothing": plan.selects_nothing,
                 "gpus": [{"gpu": p.index, "mode": p.mode.value,
                           "destroy": [vars(i) for i in p.destroy], "create": [vars(i) for i in p.create],
                           "target": [vars(i) for i in p.target]} for p in plan.gpus],
@@ -300,7 +301,7 @@ def cmd_mig(args: argparse.Namespace) -> int:
         elif args.action == "plan":
             print(plan.describe())
         else:
-            print(f"layout {layout.name!r} is applied" if plan.noop else
+            print(plan.selects_nothing or f"layout {layout.name!r} is applied" if plan.noop else
                   f"layout {layout.name!r} is not applied; to do:\n{plan.describe()}")
         return 0 if args.action == "plan" or plan.noop else EXIT_ERROR
     finally:

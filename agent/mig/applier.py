@@ -118,7 +118,8 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
     if plan.noop and not orphans and not pending:
         if journal:
             journal.end()
-        return ApplyResult(layout.name, "success", f"layout {layout.name!r} is already applied", plan)
+        return ApplyResult(layout.name, "success", plan.selects_nothing or f"layout {layout.name!r} is already applied",
+                           plan)
     if journal:
         journal.begin(layout.name, layout.origin)
     waiting: list[str] = []

@@ -362,12 +362,23 @@ class NodePlan:
     def noop(self) -> bool:
         return all(p.noop for p in self.gpus)
 
+    @property
+    def selects_nothing(self) -> str | None:
+        """Why the layout changes nothing because none of its entries selects a GPU of this node; None when it
+        selects some."""
+        if self.gpus:
+            return None
+        count = len(self.untouched)
+        return (f"layout {self.layout!r} selects no GPU on this node: none of its device filters and device "
+                f"lists matches the node's {count} GPU{'s' if count != 1 else ''}; nothing changed")
+
     def actions(self) -> list[str]:
         return [line for p in self.gpus for line in p.actions()]
 
     def describe(self) -> str:
-        """One line per action, in the order they run; "no changes" for a no-op plan."""
-        return "\n".join(self.actions()) or "no changes"
+        """One line per action, in the order they run; "no changes" for a no-op plan, and why when the layout
+        selects no GPU."""
+        return "\n".join(self.actions()) or self.selects_nothing or "no changes"
 
 
 def plan_node(layout: MigLayout, gpus: Sequence[GpuMigState]) -> NodePlan:

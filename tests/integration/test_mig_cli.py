@@ -96,6 +96,26 @@ def test_plan_of_an_applied_layout_says_no_changes(tmp_path: Path) -> None:
 # --- apply and assert -------------------------------------------------------------------------------------
 
 
+NOTHING_ON_L40S = ("layout 'all-balanced' selects no GPU on this node: none of its device filters and device lists "
+                   "matches the node's 4 GPUs; nothing changed")
+
+
+def test_a_layout_that_selects_no_gpu_says_so_in_plan_apply_and_assert(tmp_path: Path) -> None:
+    # all-balanced (as in NVIDIA's mig-parted examples) filters by the PCI ids of MIG-capable GPUs; an L40S is
+    # none of them.
+    state, state_dir = tmp_path / "nvml.json", tmp_path / "state"
+    planned = mig("plan", "pcie-l40s-4", state, "all-balanced")
+    assert (planned.returncode, planned.stdout, planned.stderr) == (0, NOTHING_ON_L40S + "\n", "")
+    done = mig("apply", "pcie-l40s-4", state, "all-balanced", "--state-dir", str(state_dir))
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"success: {NOTHING_ON_L40S}\n", "")
+    checked = mig("assert", "pcie-l40s-4", state, "all-balanced")
+    assert (checked.returncode, checked.stdout) == (0, NOTHING_ON_L40S + "\n")
+    as_json = json.loads(mig("plan", "pcie-l40s-4", state, "all-balanced", "--json").stdout)
+    assert (as_json["selects_nothing"], as_json["untouched"], as_json["gpus"]) == (NOTHING_ON_L40S, [0, 1, 2, 3], [])
+    selecting = json.loads(mig("plan", "single-h200", state, "all-balanced", "--json").stdout)
+    assert selecting["selects_nothing"] is None
+
+
 def test_apply_prints_each_step_then_success_and_assert_agrees(tmp_path: Path) -> None:
     state, state_dir = tmp_path / "nvml.json", tmp_path / "state"
     done = mig("apply", "single-h200", state, "all-balanced", "--state-dir", str(state_dir))
@@ -177,6 +197,7 @@ def test_plan_json(tmp_path: Path) -> None:
         "feasible": True,
         "applied": False,
         "untouched": [],
+        "selects_nothing": None,
         "gpus": [{
             "gpu": 0,
             "mode": "enable",
@@ -218,6 +239,7 @@ def test_assert_json_after_apply(tmp_path: Path) -> None:
         "feasible": True,
         "applied": True,
         "untouched": [],
+        "selects_nothing": None,
         "gpus": [{"gpu": 0, "mode": "none", "destroy": [], "create": [], "target": H200_BALANCED}],
     }
 

@@ -164,3 +164,18 @@ async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
         assert seen[0] == ("pending", {})
         assert seen[-1] == ("success", {"nvidia.com/mig-1g.10gb": 56})
         assert kubelet.plugins["nvidia.com/gpu"].devices == []
+
+
+async def test_a_layout_that_selects_no_gpu_succeeds_and_says_so(tmp_path: Path) -> None:
+    # An entry for A100-40GB only (its PCI id, as NVIDIA's mig-parted examples filter): a DGX H100 has none.
+    layouts = tmp_path / "layouts.yaml"
+    layouts.write_text('version: v1\nmig-configs:\n  a100-only:\n    - device-filter: ["0x20B010DE"]\n'
+                       '      devices: all\n      mig-enabled: true\n      mig-devices: {"1g.5gb": 7}\n')
+    async with mig_node(layoutsFile=str(layouts)) as (_, node, _, kubelet, _):
+        await node.patch_metadata({"nvidia.com/mig.config": "a100-only"}, {})
+        await wait_until(lambda: node.view.labels.get(STATE) == "success", timeout=30, what="success")
+        reason = ("layout 'a100-only' selects no GPU on this node: none of its device filters and device lists "
+                  "matches the node's 8 GPUs; nothing changed")
+        assert node.view.annotations[REASON] == reason
+        assert ("Normal", "MigConfigApplied", f"MIG layout a100-only: success: {reason}") in node.events
+        assert counts(kubelet) == {"nvidia.com/gpu": 8}

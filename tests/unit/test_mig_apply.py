@@ -126,7 +126,14 @@ def rebooting_reason(gpus: list[int], change: str = "enable") -> str:
     return "; ".join(f"GPU {i}: MIG {change} {pending}" for i in gpus) + f"; {RESET_HINT}"
 
 
-def applied_reason(name: str, changes: int) -> str:
+def selects_nothing(name: str, gpus: int) -> str:
+    return (f"layout {name!r} selects no GPU on this node: none of its device filters and device lists matches "
+            f"the node's {gpus} GPU{'' if gpus == 1 else 's'}; nothing changed")
+
+
+def applied_reason(name: str, changes: int, selected: int = 1, gpus: int = 8) -> str:
+    if selected == 0:
+        return selects_nothing(name, gpus)
     if changes == 0:
         return f"layout {name!r} is already applied"
     return f"layout {name!r} applied: {changes} change(s)"
@@ -162,7 +169,8 @@ def test_shipped_layout_ends_as_planned(preset: str, name: str) -> None:
         creates = sum(len(p.create) for p in predicted.gpus)
         assert (result.outcome, result.reason) == ("success", applied_reason(name, creates))
     else:
-        assert (result.outcome, result.reason) == ("success", applied_reason(name, len(predicted.actions())))
+        assert (result.outcome, result.reason) == ("success", applied_reason(
+            name, len(predicted.actions()), len(predicted.gpus), node.count))
         assert steps == predicted.actions()
 
     hardware = instances(node)
@@ -179,7 +187,8 @@ def test_shipped_layout_ends_as_planned(preset: str, name: str) -> None:
 
     again: list[str] = []
     second = node.apply(layout, steps=again)
-    assert (second.outcome, second.reason, again) == ("success", f"layout {name!r} is already applied", [])
+    assert (second.outcome, second.reason, again) == (
+        "success", applied_reason(name, 0, len(predicted.gpus), node.count), [])
     assert instances(node) == hardware
 
 
@@ -261,7 +270,7 @@ def test_a_layout_that_selects_no_gpu_of_the_node_changes_nothing() -> None:
     # all-1g.10gb names H100/A100 models only; an H200 node is left as it is.
     node = started("hgx-h200")
     result = node.apply(SHIPPED.layout("all-1g.10gb"))
-    assert (result.outcome, result.reason) == ("success", "layout 'all-1g.10gb' is already applied")
+    assert (result.outcome, result.reason) == ("success", selects_nothing("all-1g.10gb", 8))
     assert result.plan is not None and result.plan.untouched == tuple(range(8))
     assert modes(node) == [(False, False)] * 8
 
