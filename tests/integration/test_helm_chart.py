@@ -1,7 +1,7 @@
 """The Helm chart in deployments/helm/gpu-node-agent through the pinned helm (hack/helm.sh): it lints clean, renders
 the kustomize base in daemonset/ by default, each value changes the objects as its README says, bad values are
-refused with one line, and what it renders is accepted by the real API server, where the agent's pod-bound token can
-do exactly what it can with the base."""
+refused naming the value with nothing rendered, and what it renders is accepted by the real API server, where the
+agent's pod-bound token can do exactly what it can with the base."""
 
 from __future__ import annotations
 
