@@ -225,3 +225,63 @@ def test_mig_labels_for_mixed_and_single() -> None:
     assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.count"], labels["nvidia.com/mig.strategy"]) == (
         "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "28", "single"
     )
+
+
+def shared(devices: str, name: str = "nvidia.com/gpu", strategy: str = "none", extra: str = "") -> NodeState:
+    return node(config=f"version: v1\nflags:\n  migStrategy: {strategy}\n{extra}sharing:\n  timeSlicing:\n"
+                       f"    resources:\n    - {{name: {name}, replicas: 2, devices: {devices}}}\n",
+                mig={0: MIXED_GPU0} if strategy == "mixed" else None)
+
+
+def test_selectors_read_as_nvidias_plugin_reads_them() -> None:
+    # An index as a string is a GPU index, as upstream reads devices: ["0"].
+    assert sum(d.shared for d in plan(shared('["0", 3]')).resources["nvidia.com/gpu"].devices) == 4
+    # A count shares the first N devices.
+    by_count = plan(shared("3")).resources["nvidia.com/gpu"].devices
+    assert [d.gpu_index for d in by_count if d.shared] == [0, 0, 1, 1, 2, 2]
+    # A MIG index "<gpu>:<mig>" and a MIG UUID select MIG devices of a mixed node.
+    state = shared('["0:1"]', name="nvidia.com/mig-2g.20gb", strategy="mixed")
+    assert len(plan(state).resources["nvidia.com/mig-2g.20gb"].devices) == 2
+    mig_uuid = state.inventory.mig_devices[0].uuid
+    by_uuid = shared(f"[{mig_uuid}]", name="nvidia.com/mig-3g.40gb", strategy="mixed")
+    assert len(plan(by_uuid).resources["nvidia.com/mig-3g.40gb"].devices) == 2
+    assert plan(by_uuid).warnings == ()
+
+
+def test_a_selector_that_matches_nothing_is_a_warning_naming_it() -> None:
+    assert plan(shared('[0, "7", 9, "GPU-00000000-0000-0000-0000-000000000000"]')).warnings == (
+        "sharing.timeSlicing.resources[0].devices[2]: 9 selects no device of nvidia.com/gpu on this node",
+        "sharing.timeSlicing.resources[0].devices[3]: 'GPU-00000000-0000-0000-0000-000000000000' selects no device "
+        "of nvidia.com/gpu on this node",
+    )
+    assert plan(shared("12")).warnings == (
+        "sharing.timeSlicing.resources[0].devices: asks for the first 12 devices of nvidia.com/gpu, the node has 8; "
+        "all 8 are shared",)
+    assert plan(shared("all", name="nvidia.com/mig-1g.10gb")).warnings == (
+        "sharing.timeSlicing.resources[0]: nvidia.com/mig-1g.10gb has no devices on this node; nothing is shared",)
+
+
+def test_resources_rename_gpus_and_mig_devices_by_pattern() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\nresources:\n  gpus:\n"
+                        "  - {pattern: '*H100*', name: h100}\n  mig:\n  - {pattern: '1g.*', name: mig-small}\n"
+                        "  - {pattern: '*', name: nvidia.com/mig-large}\n", mig={0: MIXED_GPU0})
+    assert counts(state) == {"nvidia.com/h100": 7, "nvidia.com/mig-small": 1, "nvidia.com/mig-large": 2}
+    unmatched = node(config="version: v1\nresources:\n  gpus:\n  - {pattern: 'NVIDIA A100*', name: a100}\n")
+    result = plan(unmatched)
+    assert (result.resources, result.problems[0]) == (
+        {}, "GPU 0 (NVIDIA H100 80GB HBM3) matches no pattern of resources.gpus; not advertised")
+
+
+def test_nvidias_allocation_policy_flag_sets_the_policy_and_keys_without_effect_are_named() -> None:
+    state = node(config="version: v1\nflags:\n  useNodeFeatureAPI: true\n  gfd:\n    oneshot: true\n"
+                        "    sleepInterval: 60s\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n"
+                        "sharing:\n  allocationPolicy: distributed\n")
+    assert state.config.allocation_policy == "packed"
+    assert state.config.without_effect == (
+        "config: flags.useNodeFeatureAPI is accepted but has no effect: labels are written to the Node object "
+        "itself; no NodeFeature objects are made",
+        "config: flags.gfd.oneshot is accepted but has no effect: labels are kept up to date for as long as the "
+        "agent runs",
+        "config: flags.gfd.sleepInterval is accepted but has no effect: labels follow each change as it happens, "
+        "not an interval",
+    )

@@ -1,0 +1,88 @@
+"""What Allocate hands the runtime under each of NVIDIA's device-list strategies and flags, on the fake DGX H100:
+the values a container runtime (NVIDIA's, or a CDI-enabled one) reads, written out in full."""
+
+from __future__ import annotations
+
+from agent.deviceplugin.response import NodeFiles, container_response
+from agent.deviceplugin.v1beta1 import api_pb2
+from agent.inventory import plan
+from agent.state import NodeState
+from tests.unit.test_inventory import node
+
+FILES = NodeFiles(control_nodes=("/dev/nvidiactl", "/dev/nvidia-uvm"),
+                  mig_minors={"gpu2/gi1/access": 21, "gpu2/gi1/ci0/access": 22}, imex_channel=True)
+
+
+def respond(config: str, picks: tuple[int, ...] = (0, 5), files: NodeFiles = FILES,
+            mig: dict[int, list[tuple[str, int]]] | None = None, resource: str = "nvidia.com/gpu",
+            ) -> tuple[api_pb2.ContainerAllocateResponse, NodeState]:
+    state = node(config="version: v1\n" + config, mig=mig)
+    chosen = plan(state).resources[resource]
+    devices = [chosen.devices[i] for i in picks]
+    return container_response(devices, chosen, state.inventory, state.config, files, lambda: "r-1"), state
+
+
+def test_volume_mounts_name_each_gpu_under_the_device_directory() -> None:
+    response, state = respond("flags:\n  plugin:\n    deviceListStrategy: volume-mounts\n")
+    u0, u5 = state.inventory.gpus[0].uuid, state.inventory.gpus[5].uuid
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert [(m.host_path, m.container_path) for m in response.mounts] == [
+        ("/dev/null", f"/var/run/nvidia-container-devices/{u0}"),
+        ("/dev/null", f"/var/run/nvidia-container-devices/{u5}"),
+    ]
+
+
+def test_cdi_annotations_with_nvidias_prefix_flag_and_no_envvar() -> None:
+    response, _ = respond("flags:\n  plugin:\n    deviceListStrategy: cdi-annotations\n    deviceIDStrategy: index\n"
+                          "    cdiAnnotationPrefix: cdi.example.com/\n")
+    assert dict(response.annotations) == {"cdi.example.com/gpu-node-agent_r-1": "nvidia.com/gpu=0,nvidia.com/gpu=5"}
+    assert (dict(response.envs), list(response.cdi_devices), list(response.devices)) == ({}, [], [])
+
+
+def test_cdi_cri_and_envvar_together() -> None:
+    response, _ = respond("flags:\n  plugin:\n    deviceListStrategy: [envvar, cdi-cri]\n    deviceIDStrategy: index\n")
+    assert [d.name for d in response.cdi_devices] == ["nvidia.com/gpu=0", "nvidia.com/gpu=5"]
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": "0,5"}
+
+
+def test_pass_device_specs_under_the_dev_root_with_the_control_nodes() -> None:
+    response, _ = respond("flags:\n  nvidiaDriverRoot: /run/nvidia/driver\n  plugin:\n    passDeviceSpecs: true\n")
+    assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
+        ("/dev/nvidia0", "/run/nvidia/driver/dev/nvidia0", "rw"),
+        ("/dev/nvidia5", "/run/nvidia/driver/dev/nvidia5", "rw"),
+        ("/dev/nvidiactl", "/run/nvidia/driver/dev/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", "/run/nvidia/driver/dev/nvidia-uvm", "rw"),
+    ]
+    dev_root, _ = respond("flags:\n  nvidiaDriverRoot: /run/nvidia/driver\n  nvidiaDevRoot: /\n"
+                          "  plugin:\n    passDeviceSpecs: true\n", picks=(3,), files=NodeFiles())
+    assert [(d.container_path, d.host_path) for d in dev_root.devices] == [("/dev/nvidia3", "/dev/nvidia3")]
+
+
+def test_a_mig_device_passes_its_parent_and_its_capability_nodes() -> None:
+    response, state = respond("flags:\n  migStrategy: mixed\n  plugin:\n    passDeviceSpecs: true\n", picks=(0,),
+                              mig={2: [("3g.40gb", 0)]}, resource="nvidia.com/mig-3g.40gb")
+    assert [d.container_path for d in response.devices] == [
+        "/dev/nvidia2", "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22", "/dev/nvidiactl",
+        "/dev/nvidia-uvm"]
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": state.inventory.mig_devices[0].uuid}
+
+
+def test_gdrcopy_gds_mofed_and_the_imex_channel() -> None:
+    response, state = respond("flags:\n  gdrcopyEnabled: true\n  gdsEnabled: true\n  mofedEnabled: true\n"
+                              "  plugin:\n    passDeviceSpecs: true\n    deviceListStrategy: [envvar, cdi-cri]\n"
+                              "imex:\n  channelIDs: [0]\n", picks=(1,))
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": state.inventory.gpus[1].uuid,
+                                   "NVIDIA_IMEX_CHANNELS": "0", "NVIDIA_GDRCOPY": "enabled", "NVIDIA_GDS": "enabled",
+                                   "NVIDIA_MOFED": "enabled"}
+    assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={state.inventory.gpus[1].uuid}",
+                                                     "nvidia.com/imex-channel=0"]
+    assert response.devices[-1].container_path == "/dev/nvidia-caps-imex-channels/channel0"
+    without, _ = respond("imex:\n  channelIDs: [0]\n", picks=(1,), files=NodeFiles())
+    assert "NVIDIA_IMEX_CHANNELS" not in without.envs
+
+
+def test_replicas_of_one_gpu_name_it_once() -> None:
+    response, state = respond("sharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+                              picks=(0, 1, 4))
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{state.inventory.gpus[0].uuid},"
+                                                             f"{state.inventory.gpus[1].uuid}"}
