@@ -168,6 +168,7 @@ class Agent:
             await self.http.start(opts.metrics_port, opts.metrics_host)
         for line in opts.config.without_effect:
             log.warning("%s", line)
+        self.metrics.config_in_force(opts.config.without_effect)
         try:
             state = await self._init_nvml()
         except NvmlUnavailable as err:
@@ -234,6 +235,7 @@ class Agent:
             return True
         for line in new.without_effect:
             log.warning("%s", line)
+        self.metrics.config_in_force(new.without_effect)
         source = f"{path} ({name})" if name else str(path)
         await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new,
                               machine=machine_type(new.flags.gfd.machine_type_file))
@@ -256,6 +258,7 @@ class Agent:
                     if lines:
                         await self.bus.record([("", kind, line) for line in lines])
             reported = (current.problems, current.warnings)
+            self.metrics.unmatched_selectors.set(len(current.warnings))
             state = await self.bus.wait_newer(state.version)
 
     async def _follow_config(self) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -52,6 +52,20 @@ class Metrics:
                                             ["outcome"], registry=r)
         self.mig_seconds = Histogram("gpu_agent_mig_reconfiguration_seconds", "Time to apply a MIG layout.",
                                      buckets=(1, 5, 15, 30, 60, 120, 300, 600), registry=r)
+        self.config_keys_without_effect = Gauge(
+            "gpu_agent_config_keys_without_effect",
+            "Keys of the config in force that are accepted but have no effect here (1 each).", ["key"], registry=r)
+        self.unmatched_selectors = Gauge(
+            "gpu_agent_sharing_unmatched_selectors",
+            "Sharing entries and device selectors of the config in force that select nothing on this node.",
+            registry=r)
+
+    def config_in_force(self, without_effect: tuple[str, ...]) -> None:
+        """Count the config's keys without effect (lines "<file>: <key> ..." from AgentConfig.without_effect)."""
+        self.config_keys_without_effect.clear()
+        for line in without_effect:
+            key = line.split(": ", 1)[-1].split(" ", 1)[0]
+            self.config_keys_without_effect.labels(key=key).set(1)
 
     _extra: tuple[Callable[[], bytes], ...] = ()
 

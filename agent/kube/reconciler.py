@@ -25,6 +25,7 @@ EVENT_REASONS = {
     "config-rejected": "ConfigRejected",
     "config-applied": "ConfigApplied",
     "resources-withheld": "ResourcesWithheld",
+    "sharing-selector-unmatched": "SharingSelectorUnmatched",
     "mig-success": "MigConfigApplied",
     "mig-failed": "MigConfigFailed",
     "mig-rebooting": "MigConfigRebooting",
@@ -132,6 +133,11 @@ class NodeReconciler:
         self._lock = asyncio.Lock()
         self._emitted = 0
         self.converged = asyncio.Event()
+
+    @property
+    def node(self) -> NodeView | None:
+        """The Node as last read or watched; None before the first read."""
+        return self._node
 
     async def converge(self) -> None:
         async with self._lock:

@@ -285,3 +285,36 @@ async def test_a_transient_nvml_error_while_sampling_is_skipped_and_faults_still
         assert monitor.read_errors == 1
         response = await rig.stub().Allocate(allocate_request(rig.uuid(0)), timeout=5)
         assert dict(response.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(0)}
+
+
+async def test_fail_on_init_error_false_serves_nothing_and_stays_up(tmp_path: Path) -> None:
+    # NVIDIA's failOnInitError: false, for a DaemonSet that also lands on nodes without GPUs.
+    state = tmp_path / "nvml-state.json"
+    state_without_driver(state, "single-h200")
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nflags:\n  failOnInitError: false\n")
+    directory = short_dir()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--nvml", "mock:single-h200", "--mock-state", str(state), "--kubelet-dir", str(directory),
+        "--no-kube", "--metrics-port", str(port), "--config", str(config), stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = asyncio.create_task(collect_lines(proc.stderr, lines))
+    idle = ("serving nothing: NVML initialisation failed: Driver Not Loaded (flags.failOnInitError is false)")
+    try:
+        await answers(port, "/readyz", (200, idle + "\n"), GIVE_UP_S)
+        await asyncio.sleep(1.0)
+        assert proc.returncode is None  # still up after the retries
+        assert not [p for p in directory.iterdir() if p.is_socket()]  # no resource served
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        await asyncio.wait_for(reader, 5)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not any("Traceback" in line for line in lines), "\n".join(lines)
+    assert [line.split(": ", 1)[1] for line in lines if " ERROR agent.daemon: " in line] == [idle]

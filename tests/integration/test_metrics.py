@@ -77,3 +77,21 @@ async def test_readyz_is_false_until_registered() -> None:
         await rig.kubelet.wait_for({"nvidia.com/gpu"}, 5)
         await wait_until(lambda: rig.agent.ready()[0], what="ready")
         assert await get(port, "/readyz") == (200, "ok\n")
+
+
+async def test_keys_without_effect_and_selectors_matching_nothing_are_counted_and_told() -> None:
+    config = parse_config("version: v1\nflags:\n  gfd:\n    outputFile: /etc/kubernetes/node-feature-discovery/"
+                          "features.d/gfd\nsharing:\n  timeSlicing:\n    resources:\n"
+                          "    - {name: nvidia.com/gpu, replicas: 2, devices: [0, 11]}\n", "cfg")
+    async with running_agent("dgx-h100", config, metrics_port=0) as rig:
+        assert rig.agent.http is not None and rig.agent.bus is not None
+        port = rig.agent.http.port
+        bus = rig.agent.bus
+        warning = "sharing.timeSlicing.resources[0].devices[1]: 11 selects no device of nvidia.com/gpu on this node"
+        await wait_until(lambda: any(i.message == warning for i in bus.current.incidents), 5, "the warning Event")
+        (incident,) = [i for i in bus.current.incidents if i.kind == "sharing-selector-unmatched"]
+        assert incident.message == warning
+        _, text = await get(port, "/metrics")
+        values = samples(text)
+        assert values[("gpu_agent_config_keys_without_effect", (("key", "flags.gfd.outputFile"),))] == 1
+        assert values[("gpu_agent_sharing_unmatched_selectors", ())] == 1
