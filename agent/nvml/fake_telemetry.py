@@ -1,11 +1,12 @@
 """The fake NVML's telemetry: clocks, energy, field values, encoder/decoder use, GPM, and a load model.
 
 A GPU is idle unless it is marked busy (``set_gpu_busy``), a container holds it or one of its MIG devices
-(``simulate_allocations``, which the agent calls with the devices the kubelet reports as held), or its
-utilisation was set (``set_utilization``). An idle GPU reads exactly what its state says (temperature, power,
-utilisation: the values the fault-injection methods set). A loaded one runs hotter, draws more power, clocks up,
-fills memory and moves data, with a slow wave on top so dashboards show it alive; energy and NVLink counters are
-integrals of power and traffic over time and only ever rise.
+(``simulate_allocations``, which the agent calls with the devices the kubelet reports as held), its
+utilisation was set (``set_utilization``), or its workload is pinned (``set_workload``). An idle GPU reads
+exactly what its state says (temperature, power, utilisation: the values the fault-injection methods set). A
+loaded one runs hotter, draws more power, clocks up, fills memory and moves data, with a slow wave on top so
+dashboards show it alive; energy and NVLink counters are integrals of power and traffic over time and only ever
+rise.
 
 :class:`FakeTelemetry` is a mixin of :class:`agent.nvml.fake.FakeNvml`; its pynvml-named methods behave like the
 others there (injected failures, the init check, GpuIsLost for a lost GPU).
@@ -119,7 +120,8 @@ class FakeTelemetry:
         """This instance's telemetry bookkeeping (not persisted: it is per process, like a sampling window)."""
         found: dict[str, Any] | None = self.__dict__.get("_telemetry_state")
         if found is None:
-            found = {"allocated": frozenset(), "energy": {}, "nvlink": {}, "gpm": {}, "next_sample": 1}
+            found = {"allocated": frozenset(), "workload": {}, "energy": {}, "nvlink": {}, "gpm": {},
+                     "next_sample": 1}
             self.__dict__["_telemetry_state"] = found
         return found
 
@@ -128,6 +130,21 @@ class FakeTelemetry:
         they carry load until they are left out of a later call. Not a pynvml function."""
         with self._lock:
             self._telemetry()["allocated"] = frozenset(d.split("::", 1)[0] for d in device_ids)
+
+    def set_workload(self, gpu_index: int, utilization: float | None, memory: float | None = None) -> None:
+        """Pin a GPU's load (0 to 1) and the share of its memory in use, whoever holds it; None for both goes
+        back to the model. Not a pynvml function; not shared through the state file."""
+        if not 0 <= gpu_index < len(self.spec.gpus):
+            raise IndexError(f"GPU index {gpu_index} out of range 0..{len(self.spec.gpus) - 1}")
+        for name, value in (("utilization", utilization), ("memory", memory)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"{name} must be between 0 and 1, got {value}")
+        with self._lock:
+            workloads = self._telemetry()["workload"]
+            if utilization is None and memory is None:
+                workloads.pop(gpu_index, None)
+            else:
+                workloads[gpu_index] = (utilization, memory)
 
     def _envelope(self, index: int) -> _Envelope:
         return _ENVELOPES.get(self.spec.gpus[index].model.key, _DEFAULT_ENVELOPE)
@@ -148,6 +165,9 @@ class FakeTelemetry:
 
     def _load(self, index: int, mig_uuid: str | None = None) -> float:
         """0 (idle) to 1 (flat out)."""
+        pinned = self._telemetry()["workload"].get(index, (None, None))[0]
+        if pinned is not None and mig_uuid is None:
+            return float(pinned)
         state = self._gpu_state(index)
         base = state.utilization_gpu / 100 if mig_uuid is None else 0.0
         if not (self._device_held(index, mig_uuid) or (state.busy and mig_uuid is None)):
@@ -173,10 +193,11 @@ class FakeTelemetry:
     def _live_memory(self, index: int, total: int, mig_uuid: str | None = None) -> tuple[int, int]:
         """(used, reserved) bytes of a GPU or MIG device with ``total`` bytes."""
         reserved = 0 if mig_uuid is not None else int(total * RESERVED_SHARE) // (1024 * 1024) * 1024 * 1024
-        load = self._load(index, mig_uuid)
-        if load == 0:
-            return 0, reserved
-        used = int((total - reserved) * (0.35 + 0.5 * load)) // (1024 * 1024) * 1024 * 1024
+        share = self._telemetry()["workload"].get(index, (None, None))[1] if mig_uuid is None else None
+        if share is None:
+            load = self._load(index, mig_uuid)
+            share = 0.0 if load == 0 else 0.35 + 0.5 * load
+        used = int((total - reserved) * share) // (1024 * 1024) * 1024 * 1024
         return used, reserved
 
     def _integrate(self, book: str, index: int, rate: float) -> float:

@@ -22,7 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import parser
-from agent.config import DEFAULT_CONFIG
+from agent.config import DEFAULT_CONFIG, parse_config
 from agent.inventory import GPU_RESOURCE, mig_resource
 from agent.kube.reconciler import (
     CONDITION_TYPE,
@@ -43,16 +43,21 @@ DOCKERFILE = REPO / "Dockerfile"
 DAEMONSET = REPO / "daemonset" / "daemonset.yaml"
 
 METRIC = re.compile(r"\bgpu_agent_[a-z0-9_]+\b")
+DCGM_METRIC = re.compile(r"\bDCGM_FI_[A-Z0-9_]+\b")
 FENCE = re.compile(r"^( *)```([A-Za-z]*)\n(.*?)^\1```$", re.M | re.S)
 
 # What the dashboard must show: the brief of each panel, by the metric series it reads.
 DASHBOARD_MUST_READ = {
     "gpu_agent_gpu_healthy",
     "gpu_agent_gpu_xid_errors_total",
-    "gpu_agent_gpu_temperature_celsius",
-    "gpu_agent_gpu_power_watts",
-    "gpu_agent_gpu_memory_used_bytes",
-    "gpu_agent_gpu_memory_total_bytes",
+    "DCGM_FI_DEV_GPU_TEMP",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_FB_RESERVED",
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_SM_CLOCK",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
     "gpu_agent_resource_devices",
     "gpu_agent_resource_allocatable",
     "gpu_agent_allocations_total",
@@ -106,8 +111,12 @@ def scrape_metrics() -> str:
     """/metrics of an in-process agent on the simulated DGX H100."""
 
     async def run() -> str:
-        async with running_agent("dgx-h100", metrics_port=0) as rig:
-            assert rig.agent.http is not None
+        # Two telemetry passes: GPM's DCGM_FI_PROF_* fields come from the second.
+        config = parse_config("version: v1\ntelemetry: {intervalSeconds: 1}\n")
+        async with running_agent("dgx-h100", config, metrics_port=0) as rig:
+            assert rig.agent.http is not None and rig.agent.telemetry is not None
+            while rig.agent.telemetry.passes < 2:
+                await asyncio.sleep(0.05)
             url = f"http://127.0.0.1:{rig.agent.http.port}/metrics"
 
             def get() -> str:
@@ -124,6 +133,10 @@ def series_names(exposition: str) -> set[str]:
     _count, gauges as they are. A labelled counter with no child yet has a family but no samples, so names come
     from the family types as well as from the samples."""
     names: set[str] = set()
+    # dcgm-exporter's family keeps its names as written (its counters have no _total suffix).
+    names.update(re.findall(r"^# TYPE (DCGM_FI_\w+) ", exposition, re.M))
+    exposition = "".join(line + "\n" for line in exposition.splitlines()
+                         if not re.match(r"(# (HELP|TYPE) )?DCGM_", line))
     for family in text_string_to_metric_families(exposition):
         names.update(sample.name for sample in family.samples)
         if family.type == "counter":
@@ -172,7 +185,7 @@ def test_dashboard_panels_use_the_datasource_variable_and_the_node_filter() -> N
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"], panel["title"]
-            for selector in re.findall(r"gpu_agent_\w+\{([^}]*)\}", target["expr"]):
+            for selector in re.findall(r"(?:gpu_agent|DCGM_FI)_\w+\{([^}]*)\}", target["expr"]):
                 assert 'instance=~"$node"' in selector, (panel["title"], target["expr"])
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
@@ -190,7 +203,8 @@ def test_dashboard_panels_tile_the_grid_without_overlapping() -> None:
 
 
 def test_every_metric_in_the_dashboard_is_one_the_agent_exports(exported: set[str]) -> None:
-    used = {name for expr in dashboard_expressions(dashboard()) for name in METRIC.findall(expr)}
+    exprs = dashboard_expressions(dashboard())
+    used = {name for expr in exprs for name in METRIC.findall(expr) + DCGM_METRIC.findall(expr)}
     assert used - exported == set(), f"not in the agent's /metrics: {sorted(used - exported)}"
     assert DASHBOARD_MUST_READ - used == set(), f"no panel shows {sorted(DASHBOARD_MUST_READ - used)}"
 

@@ -1,0 +1,307 @@
+"""A real Prometheus (built by hack/prometheus.sh) scraping running agents on the fake NVML: every query of
+dcgm-exporter's published Grafana dashboard and of the project's dashboard, and every shipped alert rule, returns
+series for the simulated node; pod attribution as Prometheus stores it; promtool on the rules and on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pynvml
+import pytest
+import yaml
+from prometheus import PROMETHEUS, PROMTOOL, ensure_prometheus, promtool, running_prometheus
+
+from agent.config import parse_config
+from agent.daemon import Agent, AgentOptions
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.podresources_v1 import api_pb2 as pr
+from agent.podresources_v1 import api_pb2_grpc as pr_grpc
+from agent.simulate import InMemoryNode, StandInKubelet
+from tests.plugin_harness import short_dir
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "daemonset" / "monitoring" / "gpu-node-agent-rules.yaml"
+RULE_TESTS = REPO / "tests" / "prometheus" / "rules.test.yaml"
+DCGM_DASHBOARD = REPO / "tests" / "fixtures" / "dcgm-exporter" / "dcgm-exporter-dashboard.json"
+OUR_DASHBOARD = REPO / "docs" / "grafana-dashboard.json"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def binaries() -> None:
+    if not (PROMETHEUS.exists() and PROMTOOL.exists()):
+        ensure_prometheus()
+    ensure_prometheus()  # up to date: a fraction of a second
+
+
+class PodResources(pr_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources v1 Lister, serving whatever pods the test says hold devices."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, list[str]] = {}
+
+    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
+                   ) -> pr.ListPodResourcesResponse:
+        return pr.ListPodResourcesResponse(pod_resources=[
+            pr.PodResources(name=pod, namespace="ml", containers=[pr.ContainerResources(
+                name="main", devices=[pr.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)])])
+            for pod, ids in self.pods.items()
+        ])
+
+
+class Node:
+    def __init__(self, agent: Agent, fake: FakeNvml) -> None:
+        self.agent, self.fake = agent, fake
+
+    @property
+    def port(self) -> int:
+        assert self.agent.http is not None
+        return self.agent.http.port
+
+    def uuids(self) -> list[str]:
+        assert self.agent.bus is not None
+        return [g.uuid for g in self.agent.bus.current.inventory.gpus]
+
+
+def agent_config(directory: Path, **mig: object) -> Any:
+    return parse_config(yaml.safe_dump({
+        "version": "v1",
+        "flags": {"migStrategy": "mixed"},
+        "health": {"sampleIntervalSeconds": 0.2},
+        "telemetry": {"intervalSeconds": 1},
+        "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock", **mig},
+    }))
+
+
+@asynccontextmanager
+async def cluster() -> AsyncIterator[tuple[Node, Node, PodResources, Path]]:
+    """gpu-node-1: a DGX H100 registered with its kubelet, with PodResources; gpu-node-2: an H200 whose kubelet
+    never answers the device plugin (the agent is not ready) and whose MIG label asks for a layout while a pod
+    holds its GPU (the apply fails)."""
+    directory = short_dir()
+    other = directory / "other"
+    other.mkdir()
+    fake2 = FakeNvml(load_node("single-h200"))
+    lister, lister2 = PodResources(), PodResources()
+    lister2.pods = {"holder-0": [fake2.spec.gpus[0].uuid]}
+    servers = []
+    for where, serving in ((directory, lister), (other, lister2)):
+        server = grpc.aio.server()
+        pr_grpc.add_PodResourcesListerServicer_to_server(serving, server)
+        server.add_insecure_port(f"unix://{where}/pr.sock")
+        await server.start()
+        servers.append(server)
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    fake1 = FakeNvml(load_node("dgx-h100"))
+    agent1 = Agent(NvmlBackend(lib=fake1, numa_lookup=fake1.numa_node),
+                   AgentOptions(config=agent_config(directory), kubelet_dir=directory, metrics_port=0,
+                                metrics_host="127.0.0.1"))
+    node2 = InMemoryNode("gpu-node-2")
+    agent2 = Agent(NvmlBackend(lib=fake2, numa_lookup=fake2.numa_node),
+                   AgentOptions(config=agent_config(other), kubelet_dir=other, metrics_port=0,
+                                metrics_host="127.0.0.1", kube=node2))
+    try:
+        await agent1.start()
+        await kubelet.wait_for(set(agent1.devices()), 10)
+        await agent2.start()
+        await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
+        yield Node(agent1, fake1), Node(agent2, fake2), lister, directory
+    finally:
+        await agent1.stop()
+        await agent2.stop()
+        await kubelet.stop()
+        for server in servers:
+            await server.stop(None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def eventually(check: Callable[[], Any], what: str, timeout: float = 45.0) -> Any:
+    """Run `check` (in a thread: it queries Prometheus) until it returns something truthy."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = await asyncio.to_thread(check)
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.5)
+
+
+def dashboard_queries(path: Path) -> list[str]:
+    board = json.loads(path.read_text())
+
+    def panels(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [p for item in items for p in [item, *panels(item.get("panels", []))]]
+
+    return [t["expr"] for p in panels(board["panels"]) for t in p.get("targets", []) if t.get("expr")]
+
+
+def grafana(expr: str, instance: str) -> str:
+    """A dashboard expression as Grafana sends it with the node picked and every GPU: variables substituted."""
+    return (expr.replace("$instance", instance).replace("$node", instance).replace("$gpu", ".+")
+            .replace("$__rate_interval", "1m").replace("$__range", "5m"))
+
+
+
+
+async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() -> None:
+    async with cluster() as (node1, node2, lister, directory):
+        gpus = node1.uuids()
+        lister.pods = {"trainer-0": [gpus[2], gpus[5]], "idle-0": [gpus[6]]}
+        fake = node1.fake
+        fake.inject_xid(0, 79)  # node-fatal class
+        fake.inject_xid(1, 13)  # application class
+        fake.inject_xid(3, 63)  # warning class
+        fake.set_ecc_uncorrected(4, 1)  # a double-bit error: XID 48 (unhealthy class) and the ECC count
+        fake.set_remapped_rows(2, failure=True)
+        fake.set_clocks_event_reasons(3, pynvml.nvmlClocksEventReasonHwThermalSlowdown
+                                      | pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown)
+        fake.set_temperature(3, 90)
+        fake.set_workload(5, 0.9, 0.99)  # trainer-0 fills GPU 5's memory
+        fake.set_workload(6, 0.0)  # idle-0 holds GPU 6 and does nothing with it
+        fake.set_gpu_lost(7)
+        targets = {"gpu-node-1": node1.port, "gpu-node-2": node2.port}
+        with running_prometheus(directory, targets, [RULES]) as prom:
+            # Per-pod attribution as Prometheus stores it: trainer-0 on exactly GPUs 2 and 5.
+            def trainer_gpus() -> list[str]:
+                series = prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",pod="trainer-0"}')
+                return sorted(s["metric"]["gpu"] for s in series)
+
+            assert await eventually(lambda: trainer_gpus() == ["2", "5"], "trainer-0 on GPUs 2 and 5")
+            [labels] = [s["metric"] for s in prom.query('DCGM_FI_DEV_FB_USED{instance="gpu-node-1",gpu="2"}')]
+            assert (labels["namespace"], labels["container"], labels["UUID"], labels["Hostname"] != "") == (
+                "ml", "main", gpus[2], True)
+
+            def returns_series(expr: str) -> bool:
+                return bool(prom.query(expr))
+
+            # Every query of dcgm-exporter's dashboard returns series for the simulated node, and its variables'
+            # label_values list the nodes and GPUs.
+            dcgm_queries = dashboard_queries(DCGM_DASHBOARD)
+            assert len(dcgm_queries) == 8
+            for expr in dcgm_queries:
+                query = grafana(expr, "gpu-node-1")
+                assert await eventually(lambda q=query: returns_series(q), query), query
+            instances = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
+            assert instances == ["gpu-node-1", "gpu-node-2"]
+            gpu_values = prom.get("/api/v1/label/gpu/values",
+                                  **{"match[]": 'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"}'})
+            assert gpu_values == [str(i) for i in range(7)]  # GPU 7 is lost: no series
+            # The project's dashboard: every query is valid PromQL, and each that reads dcgm-exporter's names
+            # (its GPU panels) returns series.
+            for expr in dashboard_queries(OUR_DASHBOARD):
+                query = grafana(expr, "gpu-node-1|gpu-node-2")
+                await asyncio.to_thread(prom.query, query)
+                if "DCGM_FI_" in query or "xid_errors" in query:
+                    assert await eventually(lambda q=query: returns_series(q), query), query
+            tensor = prom.query('DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance="gpu-node-1"}')
+            assert len(tensor) == 7
+
+            # The alerts users write against dcgm-exporter's names.
+            for expr in ('DCGM_FI_DEV_XID_ERRORS{instance="gpu-node-1"} > 0',
+                         'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"} > 85',
+                         'DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE) > 0.95',
+                         'DCGM_FI_DEV_ROW_REMAP_FAILURE > 0',
+                         'avg_over_time(DCGM_FI_DEV_GPU_UTIL{pod!=""}[5m]) < 5'):
+                assert await eventually(lambda e=expr: returns_series(e), expr), expr
+            [xid] = prom.query('DCGM_FI_DEV_XID_ERRORS{instance="gpu-node-1",gpu="0"}')
+            assert (xid["value"][1], xid["metric"]["err_msg"]) == ("79", "GPU has fallen off the bus")
+
+            # Every shipped alert: its expression returns series, and Prometheus itself has it pending or firing.
+            rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+            for rule in rules:
+                assert await eventually(lambda r=rule: returns_series(r["expr"]), rule["alert"]), rule["alert"]
+
+            def alerting() -> set[str]:
+                return {s["metric"]["alertname"] for s in prom.query("ALERTS")}
+
+            assert await eventually(lambda: alerting() >= {r["alert"] for r in rules}, "every alert pending or firing")
+            where = {r["alert"]: sorted({(s["metric"]["instance"] if "instance" in s["metric"] else
+                                          s["metric"].get("Hostname", "")) for s in prom.query(r["expr"])})
+                     for r in rules}
+            assert where["GPUAgentNotReady"] == ["gpu-node-2"]
+            assert where["GPUMigReconfigurationFailed"] == ["gpu-node-2"]
+            assert where["GPULost"] == ["gpu-node-1"]
+
+            # The pod ends: its labels leave the series at the next pass and scrape.
+            lister.pods = {"idle-0": [gpus[6]]}
+            assert await eventually(lambda: trainer_gpus() == [], "trainer-0 gone")
+            assert await eventually(lambda: len(prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",gpu="2"}'))
+                                    == 1, "GPU 2 back to one series")
+
+
+def metrics_of(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+SAMPLE_NAME = re.compile(r"^(?:# (?:HELP|TYPE) )?([A-Za-z_:][A-Za-z0-9_:]*)")
+
+
+def only(text: str, prefix: str) -> str:
+    return "".join(line + "\n" for line in text.splitlines()
+                   if (m := SAMPLE_NAME.match(line)) and m[1].startswith(prefix))
+
+
+async def test_promtool_checks_the_agents_exposition() -> None:
+    async with cluster() as (node1, _, lister, _):
+        lister.pods = {"trainer-0": [node1.uuids()[1]]}
+        assert node1.agent.telemetry is not None
+        while node1.agent.telemetry.passes < 2:
+            await asyncio.sleep(0.1)
+        text = await asyncio.to_thread(metrics_of, node1.port)
+    assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE{" in text and "gpu_agent_gpu_healthy{" in text
+    # The whole exposition parses.
+    whole = promtool("check", "metrics", "--extended", "--lint=none", stdin=text)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    # The agent's own family passes every lint.
+    own = promtool("check", "metrics", stdin=only(text, "gpu_agent_"))
+    assert own.returncode == 0, own.stdout + own.stderr
+    # dcgm-exporter's names break three lints by design, and only those: its counters have no _total suffix,
+    # one counter is named ..._COUNTER, and its modelName label is camelCase. Kept, so existing dashboards and
+    # alerts work unchanged.
+    dcgm = promtool("check", "metrics", stdin=only(text, "DCGM_"))
+    problems = sorted({line.strip() for line in (dcgm.stdout + dcgm.stderr).splitlines() if line.strip()})
+    counters = sorted(n for n in re.findall(r"# TYPE (\S+) counter", text) if n.startswith("DCGM_"))
+    assert counters == ["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+                        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"]
+    families = set(re.findall(r"# TYPE (DCGM_\S+) ", text))
+    assert len(families) == 25
+    expected = sorted({f'{n} counter metrics should have "_total" suffix' for n in counters}
+                      | {f"{n} label names should be written in 'snake_case' not 'camelCase'" for n in families}
+                      | {"DCGM_FI_DEV_PCIE_REPLAY_COUNTER metric name should not include type 'counter'"})
+    assert problems == expected, "\n".join(problems)
+
+
+def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
+    check = promtool("check", "rules", str(RULES))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS: 14 rules found" in check.stdout
+    tested = promtool("test", "rules", str(RULE_TESTS))
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_a_broken_rule_fails_the_rule_tests(tmp_path: Path) -> None:
+    """The rule tests can fail: with GPULost's threshold changed they do."""
+    broken = tmp_path / "rules.yaml"
+    broken.write_text(RULES.read_text().replace("gpu_agent_gpu_lost == 1", "gpu_agent_gpu_lost == 2"))
+    suite = tmp_path / "rules.test.yaml"
+    suite.write_text(RULE_TESTS.read_text().replace("../../daemonset/monitoring/gpu-node-agent-rules.yaml",
+                                                    str(broken)))
+    tested = promtool("test", "rules", str(suite))
+    assert tested.returncode != 0
+    assert "alertname: GPULost" in tested.stdout + tested.stderr
