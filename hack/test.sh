@@ -14,6 +14,7 @@ if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl, 
 if [ -x hack/helm.sh ]; then stage "helm (for the chart tests)" hack/helm.sh; fi
 if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-harness.sh; fi
 if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.sh; fi
+if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.sh; fi
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
 stage "pytest" .venv/bin/pytest -q --ignore=tests/e2e
