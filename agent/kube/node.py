@@ -155,6 +155,7 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
         annotations=dict(meta.get("annotations") or {}),
         taints=tuple(_taint(t) for t in (node.get("spec") or {}).get("taints") or []),
         conditions=conditions,
+        allocatable={k: str(v) for k, v in ((node.get("status") or {}).get("allocatable") or {}).items()},
     )
 
 

@@ -25,6 +25,8 @@ class NodeView:
     annotations: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, str], ...] = ()
     conditions: Mapping[str, Condition] = field(default_factory=dict)
+    allocatable: Mapping[str, str] = field(default_factory=dict)
+    """status.allocatable as the kubelet last reported it (quantities as strings, e.g. "8")."""
 
 
 class Conflict(Exception):

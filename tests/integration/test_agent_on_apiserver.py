@@ -233,6 +233,34 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
         )
 
 
+async def test_ready_only_once_the_node_shows_the_gpus_in_allocatable(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    """What the kubelet writes into the Node's status after a registration decides readiness: a rolling update
+    then waits until the scheduler can see this node's GPUs before it takes the next node's agent down."""
+
+    def allocatable(gpus: str) -> None:
+        # What the kubelet's node-status sync writes once the device plugin's devices are in its device manager.
+        admin_core.patch_node_status(NODE, {"status": {"capacity": {"nvidia.com/gpu": gpus},
+                                                       "allocatable": {"nvidia.com/gpu": gpus}}})
+
+    allocatable("0")  # the old agent's pod stopped: the kubelet shows no GPUs
+    try:
+        async with agent_on_node(agent_kubeconfig) as (agent, fake):
+            assert agent.ready() == (False, "the Node's Allocatable does not show nvidia.com/gpu: 8 yet")
+            allocatable("8")
+            await eventually(lambda: agent.ready() == (True, "ok"), what="ready once Allocatable shows 8")
+            # A later change (a GPU fault lowers Allocatable) leaves the agent ready: it is still serving.
+            fake.set_gpu_lost(3)
+            allocatable("7")
+            await eventually(lambda: admin_core.read_node(NODE).status.allocatable["nvidia.com/gpu"] == "7")
+            await asyncio.sleep(0.5)
+            assert agent.ready() == (True, "ok")
+    finally:
+        admin_core.patch_node_status(NODE, [{"op": "remove", "path": "/status/capacity/nvidia.com~1gpu"},
+                                            {"op": "remove", "path": "/status/allocatable/nvidia.com~1gpu"}])
+
+
 async def test_watch_survives_an_api_server_restart(
     apiserver: ApiServer, agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
 ) -> None:
