@@ -10,8 +10,11 @@ stage() {
   echo "==> $name: $((SECONDS - t0))s"
 }
 stage "lint (ruff, mypy --strict)" make --no-print-directory lint
-if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl)" hack/testbin.sh; fi
+if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl, kubelet, kube-scheduler, kube-controller-manager)" hack/testbin.sh; fi
 if [ -x hack/helm.sh ]; then stage "helm (for the chart tests)" hack/helm.sh; fi
 if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-harness.sh; fi
 if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.sh; fi
-stage "pytest" .venv/bin/pytest -q
+stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
+stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
+stage "pytest" .venv/bin/pytest -q --ignore=tests/e2e
+stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q tests/e2e

@@ -27,17 +27,21 @@ stop_daemon kubelet 20
 
 # 2. The pods: every task in containerd's k8s.io namespace, and the network
 #    namespaces containerd made for them (named in its own container specs).
+# They are written down first, so that a second run finds them if this one is interrupted.
 pod_netns=()
+[[ -f $run_dir/pod-netns ]] && mapfile -t pod_netns <"$run_dir/pod-netns"
 if [[ -S $sock ]] && ctr_ version >/dev/null 2>&1; then
     mapfile -t containers < <(ctr_ containers ls -q 2>/dev/null)
     for id in "${containers[@]}"; do
         while read -r path; do
-            [[ -n $path ]] && pod_netns+=("$path")
+            # /var/run is a link to /run: the mount table names the resolved path.
+            [[ -n $path ]] && pod_netns+=("$(readlink -f -- "$path" || echo "$path")")
         done < <(ctr_ containers info "$id" 2>/dev/null |
             python3 -c 'import json,sys
 for ns in json.load(sys.stdin).get("Spec", {}).get("linux", {}).get("namespaces", []):
     if ns.get("type") == "network" and ns.get("path"): print(ns["path"])' 2>/dev/null || true)
     done
+    if ((${#pod_netns[@]})); then printf '%s\n' "${pod_netns[@]}" | sort -u >"$run_dir/pod-netns"; fi
     for id in "${containers[@]}"; do ctr_ tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
     for id in "${containers[@]}"; do
         for _ in $(seq 50); do
@@ -89,7 +93,7 @@ mounts_under() {
 while read -r m; do
     [[ -n $m ]] && { umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || clog "cannot unmount $m"; }
 done < <(mounts_under)
-for p in "${pod_netns[@]}"; do rm -f "$p"; done
+for p in "${pod_netns[@]}"; do rm -f "$p" || clog "cannot remove $p"; done
 
 # 6. The cluster's network namespace (its links, routes and iptables rules go with it).
 if [[ -e /run/netns/$netns ]]; then ip netns del "$netns"; fi

@@ -1,0 +1,99 @@
+"""One real single-node cluster for the whole e2e module: brought up before the first test, taken down after the
+last one whatever happened, and the machine checked to be as it was before."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import HACK, PRESET, REPO, RUN_DIR, TIMES, Cluster
+
+TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
+
+
+def _in_e2e(item: pytest.Item) -> bool:
+    return Path(str(item.fspath)).parent == Path(__file__).parent
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Packages, binaries and images can take many minutes cold: build them here, before any test's timeout starts,
+    # with their progress on the terminal.
+    if not any(_in_e2e(item) for item in session.items):
+        return
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        for script in (HACK / "packages.sh", REPO / "hack" / "testbin.sh", HACK / "images.sh"):
+            subprocess.run([str(script)], check=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TIMES:
+        terminalreporter.section("measured on the single-node cluster")
+        for what, seconds in TIMES.items():
+            terminalreporter.write_line(f"{what}: {seconds:.1f} s")
+        TIMES_FILE.parent.mkdir(parents=True, exist_ok=True)
+        TIMES_FILE.write_text(json.dumps(TIMES, indent=1) + "\n")
+
+
+def machine_state() -> dict[str, str]:
+    """What cluster-down must leave as it found it, in the machine's own namespaces."""
+
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+
+    sysctls = ["vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
+               "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes", "net.ipv4.ip_forward"]
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    watched = ("/run/netns", "/var/lib/kubelet", "/run/containerd", str(RUN_DIR), "/var/lib/gpu-node-agent")
+    paths = ["/var/lib/kubelet", "/var/lib/gpu-node-agent", "/dev/nvidia-caps", "/var/log/pods",
+             "/var/log/containers", "/run/containerd", "/var/lib/cni", "/opt/containerd", "/var/lib/containerd",
+             "/run/netns", str(RUN_DIR)]
+    cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/kubepods"))
+    processes = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(RUN_DIR).encode() in cmdline.read_bytes():
+                processes.append(cmdline.parent.name)
+        except OSError:
+            pass  # gone meanwhile
+    return {
+        "links": run("ip", "-o", "link", "show"),
+        "addresses": run("ip", "-o", "addr", "show"),
+        "routes": run("ip", "route", "show", "table", "all"),
+        "rules": run("ip", "rule", "show"),
+        "iptables": "\n".join(line for line in run("iptables-save").splitlines() if not line.startswith("#")),
+        "netns": run("ip", "netns", "list"),
+        "sysctls": run("sysctl", *sysctls),
+        "mounts": "\n".join(m for m in mounts if m.startswith(watched)),
+        "paths": "\n".join(p for p in paths if Path(p).exists()),
+        "cgroups": "\n".join(cgroups),
+        "processes": "\n".join(processes),
+    }
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if RUN_DIR.exists():
+        if os.environ.get("E2E_USE_RUNNING_CLUSTER") == "1":
+            # For working on the tests: the cluster of `make cluster`, left running afterwards.
+            yield Cluster()
+            return
+        pytest.fail(f"a cluster is already running ({RUN_DIR} exists): run `make cluster-down` first, "
+                    "or set E2E_USE_RUNNING_CLUSTER=1 to test that one")
+    before = machine_state()
+    try:
+        up = subprocess.run([str(HACK / "up.sh"), PRESET], capture_output=True, text=True, timeout=600, check=False)
+        if up.returncode != 0:
+            pytest.fail(f"hack/cluster/up.sh failed:\n{up.stderr[-4000:]}")
+        yield Cluster()
+    finally:
+        down = subprocess.run([str(HACK / "down.sh")], capture_output=True, text=True, timeout=300, check=False)
+        after = machine_state()
+    assert down.returncode == 0, f"hack/cluster/down.sh failed:\n{down.stderr[-4000:]}"
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not changed, f"cluster-down left the machine changed: {changed}"
