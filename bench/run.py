@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
-from bench import grpc_bench, kube_bench, mig_bench, report  # noqa: E402
+from bench import grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
 from tests.integration import apiserver  # noqa: E402
 
 PREFERRED_PRESETS = ("a100-pcie-nvlink-pairs", "dgx-h100", "hgx-16-nvswitch", "pcie-16-nvlink-pairs")
@@ -49,6 +49,7 @@ APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM = "dgx-h100", "all-balanced", "all-disabl
 RIG_NODE = "bench-node"
 TAINT_PRESET = "dgx-h100"
 STEADY_PRESET = "dgx-h100"
+TELEMETRY_PRESET = "dgx-h100"
 
 PREFERRED_P99_MS = 20.0
 ALLOCATE_P99_MS = 2.0
@@ -56,6 +57,8 @@ HEALTH_MS = 100.0
 TAINT_MS = 1000.0
 RSS_MB = 100.0
 IDLE_CPU_PERCENT = 1.0
+TELEMETRY_PASS_CPU_MS = 50.0
+SCRAPE_P99_MS = 25.0
 MB = 1_000_000
 
 
@@ -71,6 +74,8 @@ class Plan:
     mig_apply_runs: int
     taint_injections: int
     steady_state_s: float
+    telemetry_passes: int = 50
+    telemetry_scrapes: int = 500
 
 
 FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50, process_allocations=10_000,
@@ -78,7 +83,7 @@ FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50
             taint_injections=20, steady_state_s=300.0)
 QUICK = Plan(preferred_calls_per_size=10, allocate_calls=200, xid_injections=16, process_allocations=2000,
              idle_s=10.0, many_preferred_calls=100, many_allocate_calls=200, mig_apply_runs=3,
-             taint_injections=5, steady_state_s=30.0)
+             taint_injections=5, steady_state_s=30.0, telemetry_passes=10, telemetry_scrapes=50)
 
 
 def figure(
@@ -230,6 +235,26 @@ async def measure(plan: Plan, seed: int, workdir: Path) -> tuple[list[dict[str, 
     ]
     print(f"XID to ListAndWatch: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, max {health['max_ms']} ms "
           f"over {health['calls']} injections on {health['agents']} agents", flush=True)
+
+    with section("telemetry"):
+        tele = await telemetry_bench.telemetry(TELEMETRY_PRESET, plan.telemetry_passes, plan.telemetry_scrapes)
+    details["telemetry"] = tele
+    where = f"{tele['gpus']} GPUs ({TELEMETRY_PRESET}), {tele['held_gpus']} held by a pod"
+    figures += [
+        figure("telemetry.nvml_calls", f"NVML calls per telemetry pass, {where}", tele["nvml_calls_per_pass"],
+               "calls", "report"),
+        figure("telemetry.pass.wall_p50", f"Telemetry pass p50 (NVML thread shared with the health monitor), {where}",
+               tele["pass"]["p50_ms"], "ms", "report"),
+        figure("telemetry.pass.cpu_p99", f"Telemetry pass CPU time p99, {where}", tele["pass"]["cpu_p99_ms"], "ms",
+               "<", TELEMETRY_PASS_CPU_MS),
+        figure("telemetry.scrape.p99", f"/metrics scrape p99 with DCGM_FI_* on ({tele['dcgm_series']} series), {where}",
+               tele["scrape_dcgm_on"]["p99_ms"], "ms", "<", SCRAPE_P99_MS),
+        figure("telemetry.scrape_off.p99", f"/metrics scrape p99 with DCGM_FI_* off, {where}",
+               tele["scrape_dcgm_off"]["p99_ms"], "ms", "report"),
+    ]
+    print(f"telemetry: {tele['nvml_calls_per_pass']} NVML calls per pass, pass p50 {tele['pass']['p50_ms']} ms "
+          f"(CPU p99 {tele['pass']['cpu_p99_ms']} ms); scrape p99 {tele['scrape_dcgm_on']['p99_ms']} ms with "
+          f"DCGM_FI_* on, {tele['scrape_dcgm_off']['p99_ms']} ms off", flush=True)
 
     with section("mig_apply"):
         apply = mig_bench.apply_overhead(APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM, plan.mig_apply_runs)

@@ -195,8 +195,11 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             for expr in dcgm_queries:
                 query = grafana(expr, "gpu-node-1")
                 assert await eventually(lambda q=query: returns_series(q), query), query
-            instances = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
-            assert instances == ["gpu-node-1", "gpu-node-2"]
+            def instances() -> list[str]:
+                found: list[str] = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
+                return found
+
+            assert await eventually(lambda: instances() == ["gpu-node-1", "gpu-node-2"], "both nodes' GPUs")
             gpu_values = prom.get("/api/v1/label/gpu/values",
                                   **{"match[]": 'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"}'})
             assert gpu_values == [str(i) for i in range(7)]  # GPU 7 is lost: no series
@@ -235,6 +238,12 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert where["GPUAgentNotReady"] == ["gpu-node-2"]
             assert where["GPUMigReconfigurationFailed"] == ["gpu-node-2"]
             assert where["GPULost"] == ["gpu-node-1"]
+
+            # The PromQL in docs/metrics.md is valid (Prometheus would answer an error otherwise).
+            blocks = re.findall(r"```promql\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(), re.S)
+            assert blocks
+            for block in blocks:
+                await asyncio.to_thread(prom.query, " ".join(block.split()))
 
             # The pod ends: its labels leave the series at the next pass and scrape.
             lister.pods = {"idle-0": [gpus[6]]}
