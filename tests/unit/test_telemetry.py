@@ -290,3 +290,33 @@ def test_the_switch_and_the_interval_in_the_config() -> None:
         parse_config("version: v1\ntelemetry: {intervalSeconds: 0}\n")
     assert "telemetry.intervalSeconds" in str(err.value)
     assert "\n" not in str(err.value).strip()
+
+
+def test_every_call_a_pass_makes_is_a_pynvml_function_with_the_fakes_signature() -> None:
+    import inspect
+
+    from agent.nvml import fields as nvfields
+
+    node = mig_node()
+    called: list[str] = []
+    original = nvfields._Counting.__getattr__
+
+    def spy(self: nvfields._Counting, name: str) -> object:
+        called.append(name)
+        return original(self, name)
+
+    nvfields._Counting.__getattr__ = spy  # type: ignore[method-assign]
+    try:
+        node.reader = FieldReader(node.backend)
+        node.scrape()
+        node.scrape()
+    finally:
+        nvfields._Counting.__getattr__ = original  # type: ignore[method-assign]
+    assert {"nvmlGpmMetricsGet", "nvmlGpmMigSampleGet", "nvmlDeviceGetFieldValues",
+            "nvmlDeviceGetMigDeviceHandleByIndex"} <= set(called)
+    for name in sorted(set(called)):
+        real = getattr(pynvml, name)
+        fake = getattr(FakeNvml, name)
+        real_params = [p for p in inspect.signature(real).parameters.values()]
+        fake_params = [p for p in inspect.signature(fake).parameters.values()][1:]  # without self
+        assert [p.name for p in fake_params] == [p.name for p in real_params], name
