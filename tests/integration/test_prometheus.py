@@ -11,6 +11,7 @@ import shutil
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from prometheus import PROMETHEUS, PROMTOOL, ensure_prometheus, promtool, runnin
 
 from agent.config import parse_config
 from agent.daemon import Agent, AgentOptions
+from agent.kube.node import ApiError
+from agent.kube.view import NodeView
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
@@ -75,34 +78,65 @@ class Node:
         return [g.uuid for g in self.agent.bus.current.inventory.gpus]
 
 
+class UnreachableApiServer(InMemoryNode):
+    """A Node the agent cannot read: every request fails as an API server outage does."""
+
+    async def get(self) -> NodeView:
+        raise ApiError(503, "ServiceUnavailable", "the API server is down")
+
+
 def agent_config(directory: Path, **mig: object) -> Any:
     return parse_config(yaml.safe_dump({
         "version": "v1",
         "flags": {"migStrategy": "mixed"},
         "health": {"sampleIntervalSeconds": 0.2},
         "telemetry": {"intervalSeconds": 1},
-        "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock", **mig},
+        "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr/pr.sock", **mig},
     }))
 
 
+async def restart_kubelet(kubelet: StandInKubelet, agent: Agent) -> StandInKubelet:
+    """A kubelet restart: its sockets go, a new one serves, the agent registers again."""
+    await kubelet.stop()
+    for path in kubelet.directory.iterdir():
+        if path.is_socket():
+            path.unlink()
+    kubelet = StandInKubelet(kubelet.directory)
+    await kubelet.start()
+    await kubelet.wait_for(set(agent.devices()), 10)
+    return kubelet
+
+
+@dataclass
+class Rig:
+    node1: Node
+    node2: Node
+    node3: Node
+    lister: PodResources
+    kubelet: StandInKubelet
+    directory: Path
+
+
 @asynccontextmanager
-async def cluster() -> AsyncIterator[tuple[Node, Node, PodResources, Path]]:
+async def cluster() -> AsyncIterator[Rig]:
     """gpu-node-1: a DGX H100 registered with its kubelet, with PodResources; gpu-node-2: an H200 whose kubelet
     never answers the device plugin (the agent is not ready) and whose MIG label asks for a layout while a pod
-    holds its GPU (the apply fails)."""
+    holds its GPU (the apply fails); gpu-node-3: an H200 whose only GPU was off the bus at start (nothing to
+    advertise) and whose API server does not answer."""
     directory = short_dir()
-    other = directory / "other"
-    other.mkdir()
+    other, third = directory / "other", directory / "third"
     fake2 = FakeNvml(load_node("single-h200"))
     lister, lister2 = PodResources(), PodResources()
     lister2.pods = {"holder-0": [fake2.spec.gpus[0].uuid]}
     servers = []
     for where, serving in ((directory, lister), (other, lister2)):
+        (where / "pr").mkdir(parents=True)
         server = grpc.aio.server()
         pr_grpc.add_PodResourcesListerServicer_to_server(serving, server)
-        server.add_insecure_port(f"unix://{where}/pr.sock")
+        server.add_insecure_port(f"unix://{where}/pr/pr.sock")
         await server.start()
         servers.append(server)
+    third.mkdir()
     kubelet = StandInKubelet(directory)
     await kubelet.start()
     fake1 = FakeNvml(load_node("dgx-h100"))
@@ -113,16 +147,23 @@ async def cluster() -> AsyncIterator[tuple[Node, Node, PodResources, Path]]:
     agent2 = Agent(NvmlBackend(lib=fake2, numa_lookup=fake2.numa_node),
                    AgentOptions(config=agent_config(other), kubelet_dir=other, metrics_port=0,
                                 metrics_host="127.0.0.1", kube=node2))
+    fake3 = FakeNvml(load_node("single-h200"))
+    fake3.set_gpu_lost(0)
+    agent3 = Agent(NvmlBackend(lib=fake3, numa_lookup=fake3.numa_node),
+                   AgentOptions(config=agent_config(third), kubelet_dir=third, metrics_port=0,
+                                metrics_host="127.0.0.1", kube=UnreachableApiServer("gpu-node-3")))
+    rig = Rig(Node(agent1, fake1), Node(agent2, fake2), Node(agent3, fake3), lister, kubelet, directory)
     try:
         await agent1.start()
         await kubelet.wait_for(set(agent1.devices()), 10)
         await agent2.start()
         await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
-        yield Node(agent1, fake1), Node(agent2, fake2), lister, directory
+        await agent3.start()
+        yield rig
     finally:
-        await agent1.stop()
-        await agent2.stop()
-        await kubelet.stop()
+        for node in (rig.node1, rig.node2, rig.node3):
+            await node.agent.stop()
+        await rig.kubelet.stop()
         for server in servers:
             await server.stop(None)
         shutil.rmtree(directory, ignore_errors=True)
@@ -158,7 +199,8 @@ def grafana(expr: str, instance: str) -> str:
 
 
 async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() -> None:
-    async with cluster() as (node1, node2, lister, directory):
+    async with cluster() as rig:
+        node1, lister = rig.node1, rig.lister
         gpus = node1.uuids()
         lister.pods = {"trainer-0": [gpus[2], gpus[5]], "idle-0": [gpus[6]]}
         fake = node1.fake
@@ -173,8 +215,14 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
         fake.set_workload(5, 0.9, 0.99)  # trainer-0 fills GPU 5's memory
         fake.set_workload(6, 0.0)  # idle-0 holds GPU 6 and does nothing with it
         fake.set_gpu_lost(7)
-        targets = {"gpu-node-1": node1.port, "gpu-node-2": node2.port}
-        with running_prometheus(directory, targets, [RULES]) as prom:
+        targets = {"gpu-node-1": node1.port, "gpu-node-2": rig.node2.port, "gpu-node-3": rig.node3.port}
+        with running_prometheus(rig.directory, targets, [RULES]) as prom:
+            # Four kubelet restarts once Prometheus watches: each one a registration again.
+            await eventually(lambda: prom.query('gpu_agent_kubelet_registrations_total{instance="gpu-node-1"}'),
+                             "the first registration scraped")
+            for _ in range(4):
+                rig.kubelet = await restart_kubelet(rig.kubelet, node1.agent)
+
             # Per-pod attribution as Prometheus stores it: trainer-0 on exactly GPUs 2 and 5.
             def trainer_gpus() -> list[str]:
                 series = prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",pod="trainer-0"}')
@@ -235,9 +283,12 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             where = {r["alert"]: sorted({(s["metric"]["instance"] if "instance" in s["metric"] else
                                           s["metric"].get("Hostname", "")) for s in prom.query(r["expr"])})
                      for r in rules}
-            assert where["GPUAgentNotReady"] == ["gpu-node-2"]
+            assert where["GPUAgentNotReady"] == ["gpu-node-2", "gpu-node-3"]
             assert where["GPUMigReconfigurationFailed"] == ["gpu-node-2"]
             assert where["GPULost"] == ["gpu-node-1"]
+            assert where["GPUKubeletRegistrationsFlapping"] == ["gpu-node-1"]
+            assert where["GPUAgentAdvertisesNothing"] == ["gpu-node-3"]
+            assert where["GPUAgentAPIErrors"] == ["gpu-node-3"]
 
             # The PromQL in docs/metrics.md is valid (Prometheus would answer an error otherwise).
             blocks = re.findall(r"```promql\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(), re.S)
@@ -266,8 +317,9 @@ def only(text: str, prefix: str) -> str:
 
 
 async def test_promtool_checks_the_agents_exposition() -> None:
-    async with cluster() as (node1, _, lister, _):
-        lister.pods = {"trainer-0": [node1.uuids()[1]]}
+    async with cluster() as rig:
+        node1 = rig.node1
+        rig.lister.pods = {"trainer-0": [node1.uuids()[1]]}
         assert node1.agent.telemetry is not None
         while node1.agent.telemetry.passes < 2:
             await asyncio.sleep(0.1)
@@ -299,7 +351,7 @@ async def test_promtool_checks_the_agents_exposition() -> None:
 def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
     check = promtool("check", "rules", str(RULES))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 14 rules found" in check.stdout
+    assert "SUCCESS: 18 rules found" in check.stdout
     tested = promtool("test", "rules", str(RULE_TESTS))
     assert tested.returncode == 0, tested.stdout + tested.stderr
 

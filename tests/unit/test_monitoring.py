@@ -37,7 +37,8 @@ def test_the_rules_cover_what_operators_alert_on() -> None:
         "GPUXidNodeFatal", "GPUXidUnhealthy", "GPUXidWarning", "GPUXidApplicationError",  # XID classes
         "GPUEccUncorrectedErrors", "GPURowRemapFailure", "GPUThermalViolation", "GPUHighTemperature",
         "GPUPowerViolation", "GPULost", "GPUMemoryNearlyFull", "GPUIdleWhileHeld",
-        "GPUAgentNotReady", "GPUMigReconfigurationFailed",
+        "GPUUnhealthy", "GPUAgentNotReady", "GPUKubeletRegistrationsFlapping", "GPUAgentAdvertisesNothing",
+        "GPUAgentAPIErrors", "GPUMigReconfigurationFailed",
     }
     for rule in by_name.values():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
