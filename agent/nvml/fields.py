@@ -266,6 +266,10 @@ class FieldReader:
                 lib.nvmlGpmSampleGet(h, sample)
             else:
                 lib.nvmlGpmMigSampleGet(h, gi_id, sample)
+        except _ABSENT:
+            # A GPU instance without a compute instance has no sample: its PROF fields are absent this pass.
+            lib.nvmlGpmSampleFree(sample)
+            return {}
         except pynvml.NVMLError:
             lib.nvmlGpmSampleFree(sample)
             raise

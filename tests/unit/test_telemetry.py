@@ -320,3 +320,13 @@ def test_every_call_a_pass_makes_is_a_pynvml_function_with_the_fakes_signature()
         real_params = [p for p in inspect.signature(real).parameters.values()]
         fake_params = [p for p in inspect.signature(fake).parameters.values()][1:]  # without self
         assert [p.name for p in fake_params] == [p.name for p in real_params], name
+
+
+def test_a_mig_device_nvml_has_no_gpm_sample_for_loses_only_its_profiling_fields() -> None:
+    node = mig_node()
+    node.scrape()
+    node.fake.fail_next("nvmlGpmMigSampleGet", pynvml.NVML_ERROR_NOT_FOUND)
+    scraped = node.scrape()
+    assert len([s for s in scraped["DCGM_FI_PROF_GR_ENGINE_ACTIVE"] if "GPU_I_ID" in s[0]]) == 1
+    assert len([s for s in scraped["DCGM_FI_DEV_FB_USED"] if "GPU_I_ID" in s[0]]) == 2
+    assert len(scraped["DCGM_FI_DEV_GPU_TEMP"]) == 8
