@@ -140,6 +140,35 @@ def _apiserver(details: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cluster(details: dict[str, Any]) -> list[str]:
+    """The single-node cluster section (bench/cluster_bench.py), when the run had one."""
+    c = details.get("cluster")
+    if not c:
+        return []
+
+    def series(s: dict[str, Any]) -> str:
+        return f"median {s['median_s']:.2f} s, max {s['max_s']:.2f} s ({', '.join(f'{x:.2f}' for x in s['samples_s'])})"
+
+    return [
+        "## On a real single-node cluster",
+        "",
+        f"`hack/cluster/up.sh` without the agent ({c['cluster_up_without_agent_s']:.0f} s): etcd, kube-apiserver, "
+        "kube-controller-manager, kube-scheduler, containerd and a kubelet v1.34.4 in their own network namespace; "
+        f"the agent's image built from the Dockerfile, on the fake NVML of {c['preset']}; {c['runs']} runs each, "
+        "times from the benchmark's own clock, polling every 50 ms.",
+        "",
+        f"- **DaemonSet applied -> Allocatable 8** on the Node (`kubectl apply --server-side -k`, the kubelet had no "
+        f"agent before): {series(c['apply_to_allocatable'])}.",
+        f"- **kubelet restart -> agent registered again** (the kubelet's log): "
+        f"{series(c['kubelet_restart']['registered'])}; **-> Allocatable 8 on the Node**: "
+        f"{series(c['kubelet_restart']['allocatable'])}.",
+        f"- **2-GPU pod created -> Allocate answered** (the agent's `gpu_agent_allocations_total`): "
+        f"{series(c['pod_to_allocate']['allocate_answered'])}; **-> pod Running**: "
+        f"{series(c['pod_to_allocate']['running'])}.",
+        "",
+    ]
+
+
 def _sections(sections: dict[str, Any]) -> list[str]:
     lines = ["| section | load average at its start (1, 5, 15 min) | duration |", "|---|---|---:|"]
     for name, row in sections.items():
@@ -334,6 +363,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         *_apiserver(results["details"]),
         "",
+        *_cluster(results["details"]),
         "## Wall clock and CPU time",
         "",
         "In ms per call, for the in-process series. CPU is the time the benchmark process (client and agent, "

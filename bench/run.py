@@ -2,6 +2,7 @@
 their budgets, into bench/results.json and docs/benchmarks.md.
 
 Usage: python bench/run.py [--quick] [--seed S] [--out bench/results.json] [--doc docs/benchmarks.md] [--check]
+                           [--no-cluster]
 
 --quick runs every measurement with fewer calls, a 10 s idle window and a 30 s steady state (a smoke run, not
 for the page); --check exits 1 when a figure misses its budget. The API-server figures need the binaries
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
-from bench import grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
+from bench import cluster_bench, grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
 from tests.integration import apiserver  # noqa: E402
 
 PREFERRED_PRESETS = ("a100-pcie-nvlink-pairs", "dgx-h100", "hgx-16-nvswitch", "pcie-16-nvlink-pairs")
@@ -367,6 +368,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure misses its budget")
+    parser.add_argument("--no-cluster", action="store_true",
+                        help="leave out the figures on a real single-node cluster (they need root)")
     args = parser.parse_args()
 
     plan = QUICK if args.quick else FULL
@@ -374,6 +377,17 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-agent-bench-") as tmp, grpc_bench.quiet_logs(Path(tmp) / "agent.log"):
         figures, details = asyncio.run(measure(plan, args.seed, Path(tmp)))
+    if args.no_cluster:
+        print("single-node cluster: not measured (--no-cluster)", flush=True)
+    else:
+        runs = 2 if args.quick else 5
+        print(f"single-node cluster (hack/cluster, needs root): {runs} runs of apply, kubelet restart and a GPU "
+              "pod ...", flush=True)
+        load = [round(x, 2) for x in os.getloadavg()]
+        details["cluster"] = cluster_bench.measure(runs)
+        details["sections"]["cluster"] = {"load_average_at_start": load,
+                                          "duration_s": details["cluster"]["duration_s"]}
+        figures += cluster_bench.figures(details["cluster"], figure)
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {
         "generated_by": "bench/run.py" + (" --quick" if args.quick else ""),

@@ -16,7 +16,7 @@ cache_dir=${CLUSTER_CACHE_DIR:-$repo_root/.cache/cluster}
 run_dir=${CLUSTER_RUN_DIR:-/run/gpu-node-agent-cluster}
 testbin_dir=${TESTBIN_DIR:-$repo_root/.cache/testbin}
 netns=${CLUSTER_NETNS:-gpu-node-agent}
-node_name=${CLUSTER_NODE_NAME:-gpu-node-0}
+node_name=${CLUSTER_NODE_NAME:-gpu-node-1}
 # Inside the cluster's network namespace only; nothing here is routed anywhere else.
 node_ip=10.244.0.1
 pod_cidr=10.244.0.0/24

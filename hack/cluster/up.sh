@@ -15,6 +15,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/lib.sh"
 
 preset=${1:-${PRESET:-dgx-h100}}
+# The kustomization applied on top of daemonset/ (CLUSTER_OVERLAY: another one, e.g. a deliberately broken copy).
+overlay=$(realpath "${CLUSTER_OVERLAY:-$repo_root/hack/cluster/overlay}")
 preset_file=$repo_root/agent/nvml/presets/$preset.yaml
 [[ -f $preset_file ]] || die "unknown preset '$preset' (presets: $(cd "$repo_root/agent/nvml/presets" && ls -- *.yaml | sed 's/\.yaml$//' | tr '\n' ' '))"
 [[ $EUID == 0 ]] || die "run as root: it starts containerd and a kubelet"
@@ -155,14 +157,14 @@ TOML
 JSON
 }
 
-deploy() {
+write_kustomization() {
     local k=$run_dir/kustomize
     mkdir -p "$k"
     cat >"$k/kustomization.yaml" <<KZ
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-  - $(realpath --relative-to="$k" "$repo_root/hack/cluster/overlay")
+  - $(realpath --relative-to="$k" "$overlay")
 images:
   - name: localhost/gpu-node-agent
     newTag: "$(cut -d: -f2 <"$cache_dir/images/agent.ref")"
@@ -173,9 +175,13 @@ patches:
         path: /spec/template/spec/containers/0/args/6
         value: mock:$preset
 KZ
+}
+
+# The install steps of docs/operations.md: label the node, apply, wait for the rollout.
+deploy() {
     kubectl_ label node "$node_name" nvidia.com/gpu.present=true --overwrite >/dev/null
-    kubectl_ apply -k "$k" >/dev/null
-    kubectl_ rollout status daemonset/gpu-node-agent -n gpu-node-agent --timeout=180s >/dev/null
+    kubectl_ apply --server-side -k "$run_dir/kustomize" >/dev/null
+    kubectl_ rollout status daemonset/gpu-node-agent -n gpu-node-agent --timeout="${CLUSTER_ROLLOUT_TIMEOUT:-180s}" >/dev/null
 }
 
 allocatable_gpus() {
@@ -184,6 +190,13 @@ allocatable_gpus() {
 
 trap 'rc=$?; ((rc == 0)) || clog "bring-up failed; the logs are in $logs_dir (kept in $cache_dir/last-logs after cluster-down)"' EXIT
 stage "control plane, containerd and kubelet to Node Ready" bring_up
+write_kustomization
+if [[ ${CLUSTER_DEPLOY:-1} == 0 ]]; then
+    # Without the agent (bench/cluster_bench.py times the apply itself).
+    trap - EXIT
+    clog "up in $(since "$t_all") s without the agent: apply it with hack/cluster/kubectl apply --server-side -k $run_dir/kustomize"
+    exit 0
+fi
 stage "DaemonSet applied and rolled out" deploy
 stage "kubelet advertises nvidia.com/gpu: $gpus" wait_for 90 "Allocatable nvidia.com/gpu: $gpus" allocatable_gpus
 trap - EXIT

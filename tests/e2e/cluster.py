@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack" / "cluster"
 KUBECTL = HACK / "kubectl"
-NODE = "gpu-node-0"
+NODE = "gpu-node-1"
 PRESET = "dgx-h100"
 NAMESPACE = "gpu-node-agent"
 RUN_DIR = Path(os.environ.get("CLUSTER_RUN_DIR", "/run/gpu-node-agent-cluster"))

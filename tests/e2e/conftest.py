@@ -17,7 +17,7 @@ TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
 
 
 def _in_e2e(item: pytest.Item) -> bool:
-    return Path(str(item.fspath)).parent == Path(__file__).parent
+    return Path(str(item.fspath)).parent == Path(__file__).parent and "cluster" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
