@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import ConfigError, load_config
+from agent.nvml import MockStateError
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -69,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     kube.add_argument("--no-kube", action="store_true", help="do not talk to the API server")
     run.add_argument("--metrics-port", type=int, default=9400,
                      help="port for /metrics, /healthz, /readyz; 0 picks a free port (default: %(default)s)")
+    run.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
+                     help="address the metrics endpoint binds to (default: %(default)s, every address)")
     run.add_argument("--log-format", choices=("text", "json"), default="text")
 
     inspect = sub.add_parser("inspect", help="print what the agent sees through NVML")
@@ -138,15 +141,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
         options = AgentOptions(
-            config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port, kube=kube,
+            config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
+            metrics_host=args.metrics_address, kube=kube,
             config_path=args.config,
         )
         return await run_until_signal(Agent(backend, options))
 
+    from agent.daemon import StartupError
     from agent.nvml.backend import NvmlUnavailable
 
     try:
         return asyncio.run(main())
+    except StartupError as err:
+        raise CliError(str(err)) from None
     except NvmlUnavailable as err:
         hint = " (is the NVIDIA driver installed, and libnvidia-ml.so.1 injected into the container?)"
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
@@ -250,6 +257,7 @@ def _node_name(source: str) -> str:
 
 
 def cmd_mig(args: argparse.Namespace) -> int:
+    from agent.locks import Held, mig_apply_lock
     from agent.mig.applier import Journal, apply_layout, plan_layout
     from agent.mig.layout import LayoutError, load_layouts
     from agent.mig.planner import PlanError
@@ -272,8 +280,11 @@ def cmd_mig(args: argparse.Namespace) -> int:
         if args.action == "apply":
             out = sys.stderr if args.json else sys.stdout
             try:
-                result = apply_layout(ops, gpus, layout, Journal(args.state_dir),
-                                      step=lambda s: print(s, file=out, flush=True))
+                with mig_apply_lock(args.state_dir):
+                    result = apply_layout(ops, gpus, layout, Journal(args.state_dir),
+                                          step=lambda s: print(s, file=out, flush=True))
+            except Held as err:
+                raise CliError(str(err)) from None
             except OSError as err:
                 raise CliError(f"cannot keep the apply journal in {args.state_dir}: {err.strerror}") from err
             if args.json:
@@ -376,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`gpu-agent inspect | head`): stop quietly, as other command-line tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (CliError, ConfigError) as err:
+    except (CliError, ConfigError, MockStateError) as err:
         print(f"gpu-agent {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR
     except KeyboardInterrupt:

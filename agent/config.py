@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from agent.yamlfile import YamlProblem, load_yaml
+from agent.yamlfile import InputFileError, YamlProblem, listing, load_yaml, read_text_file
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri", "cdi")
 """How Allocate hands devices to the runtime; "cdi" is this agent's older name for "cdi-cri"."""
@@ -396,10 +396,41 @@ class AgentConfig(_Strict):
 DEFAULT_CONFIG = AgentConfig(version="v1")
 
 
+_LIMITS = {"greater_than_equal": "at least {ge}", "less_than_equal": "at most {le}", "greater_than": "above {gt}",
+           "less_than": "below {lt}"}
+_TYPES = {"int_type": "a whole number", "int_parsing": "a whole number", "int_from_float": "a whole number",
+          "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+          "bool_parsing": "true or false", "string_type": "text", "list_type": "a list", "dict_type": "a mapping",
+          "model_type": "a mapping", "model_attributes_type": "a mapping", "path_type": "a path"}
+"""pydantic's error types in the project's own words."""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reason(e: Any) -> str:
+    kind, ctx = e["type"], e.get("ctx") or {}
+    if kind in _LIMITS:
+        return f"got {_shown(e['input'])}; must be {_LIMITS[kind].format(**ctx)}"
+    if kind in _TYPES:
+        return f"got {_shown(e['input'])}; must be {_TYPES[kind]}"
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "value_error":
+        return str(e["msg"]).removeprefix("Value error, ")
+    if kind == "literal_error":
+        return f"got {_shown(e['input'])}; " + str(e["msg"]).replace("Input should be", "expected")
+    return str(e["msg"])
+
+
 def _format(err: ValidationError, origin: str) -> str:
     lines = []
     for e in err.errors():
-        reason = e["msg"]
+        reason = _reason(e)
         path = ""
         for part in e["loc"]:
             if part == "[key]":
@@ -411,12 +442,6 @@ def _format(err: ValidationError, origin: str) -> str:
             else:
                 path += ("." if path else "") + str(part)
         path = path or "(top level)"
-        if e["type"] == "extra_forbidden":
-            reason = "unknown key"
-        elif e["type"] == "value_error":
-            reason = reason.removeprefix("Value error, ")
-        elif e["type"] == "literal_error":
-            reason = f"got {e['input']!r}; " + e["msg"].replace("Input should be", "expected")
         lines.append(f"{origin}: {path}: {reason}")
     return "\n".join(lines)
 
@@ -474,7 +499,7 @@ def config_file(path: Path, name: str | None = None) -> Path:
         configs = named_configs(path)
     except OSError as err:
         raise ConfigError(f"{path}: cannot list configs: {err.strerror}") from err
-    known = ", ".join(configs) or "none"
+    known = listing(configs)
     if name is not None:
         if name not in configs:
             raise ConfigError(f"{path}: no config named {name!r} (known: {known})")
@@ -492,7 +517,7 @@ def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
         return DEFAULT_CONFIG
     chosen = config_file(path, name)
     try:
-        text = chosen.read_text()
-    except OSError as err:
-        raise ConfigError(f"{chosen}: cannot read config: {err.strerror}") from err
+        text = read_text_file(chosen)
+    except InputFileError as err:
+        raise ConfigError(f"{chosen}: cannot read config: {err.reason}") from None
     return parse_config(text, str(chosen))

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,13 @@ from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.health.monitor import HealthMonitor
-from agent.inventory import Device, PlanCache, sharing_conflicts
+from agent.inventory import Device, PlanCache, plan, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
 from agent.labels import node_labels, owned
+from agent.locks import DirectoryLock, Held
 from agent.metrics import HttpEndpoint, Metrics
 from agent.mig.controller import MigController
+from agent.mig.layout import LayoutError, load_layouts
 from agent.mps import MpsDaemons
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
@@ -51,6 +54,51 @@ class AgentOptions:
     """The agent's own Node in the API server; None runs without one (--no-kube)."""
     config_path: Path | None = None
     """Where `config` came from; the agent reloads it on SIGHUP or when the file changes."""
+
+
+class StartupError(RuntimeError):
+    """The agent cannot start as configured; the message is one line naming what to change."""
+
+
+SOCKET_PATH_MAX = 107
+"""AF_UNIX socket paths hold at most 107 bytes (sun_path is 108 with the terminating NUL)."""
+
+
+def socket_name_length(resource: str) -> int:
+    """The longest name the agent gives the device-plugin socket of a resource (gpu-agent-<resource>-<instance>-
+    <generation>.sock), with room for a million restarts of its server."""
+    return len(f"gpu-agent-{resource.replace('/', '_').replace('.', '-')}-0123abcd-999999.sock")
+
+
+def check_sockets(kubelet_dir: Path, resources: Iterable[str]) -> None:
+    """Refuse a kubelet directory whose path leaves no room for the kubelet's socket or the agent's."""
+    room = SOCKET_PATH_MAX - len(str(kubelet_dir)) - 1
+    needs = {"the kubelet's socket": len("kubelet.sock"), **{f"{r}'s socket": socket_name_length(r) for r in resources}}
+    name, need = max(needs.items(), key=lambda item: item[1])
+    if need > room:
+        raise StartupError(f"kubelet directory {kubelet_dir} is {len(str(kubelet_dir))} bytes long: a socket path "
+                           f"holds at most {SOCKET_PATH_MAX} bytes, which leaves {max(room, 0)} for the name of "
+                           f"{name}, and it needs {need} (use a shorter --kubelet-dir)")
+
+
+def check_paths(config: AgentConfig) -> None:
+    """Refuse, before anything starts, the config's paths that would fail only later: a MIG layouts file that
+    cannot be used, a MIG state directory that cannot be written."""
+    mig = config.mig
+    if mig.layouts_file is not None:
+        try:
+            load_layouts(mig.layouts_file)
+        except LayoutError as err:
+            raise StartupError(f"mig.layoutsFile: {err}".replace("\n", "; ")) from None
+    # Without touching anything: the directory, or the nearest directory above it that exists (where the
+    # journal's directory would be made on the first apply), must be a directory the agent can write.
+    existing = mig.state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not writable")
 
 
 class NvmlThread:
@@ -105,6 +153,7 @@ class Agent:
         self.idle: str | None = None
         """Why the agent serves nothing (NVML unavailable with flags.failOnInitError false); None when serving."""
         self.mps: MpsDaemons | None = None
+        self._kubelet_lock: DirectoryLock | None = None
         self._allocatable_seen: int | None = None
         """The registration count at which the Node last showed the advertised devices in Allocatable."""
 
@@ -122,6 +171,8 @@ class Agent:
             return True, self.idle
         if self.bus is None:
             return False, "NVML not initialised"
+        if (problem := self.backend.problem()) is not None:
+            return False, problem
         if self.plugins is None or not self.plugins.registered.is_set():
             return False, "not registered with the kubelet"
         if self.reconciler is None:
@@ -163,9 +214,23 @@ class Agent:
 
     async def start(self) -> None:
         opts = self.options
+        check_paths(opts.config)
+        check_sockets(opts.kubelet_dir, ())
+        self._kubelet_lock = DirectoryLock(
+            opts.kubelet_dir, f"another agent serves the kubelet directory {opts.kubelet_dir}")
+        try:
+            self._kubelet_lock.acquire()
+        except Held as err:
+            raise StartupError(str(err)) from None
         if opts.metrics_port is not None:
             self.http = HttpEndpoint(self.metrics, self.ready)
-            await self.http.start(opts.metrics_port, opts.metrics_host)
+            try:
+                await self.http.start(opts.metrics_port, opts.metrics_host)
+            except OSError as err:
+                self.http = None
+                why = os.strerror(err.errno) if err.errno else str(err)
+                raise StartupError(f"cannot serve metrics on {opts.metrics_host}:{opts.metrics_port}: {why} "
+                                   "(choose another --metrics-port)") from None
         for line in opts.config.without_effect:
             log.warning("%s", line)
         self.metrics.config_in_force(opts.config.without_effect)
@@ -177,6 +242,7 @@ class Agent:
             self.idle = f"serving nothing: {err} (flags.failOnInitError is false)"
             log.error("%s", self.idle)
             return
+        check_sockets(opts.kubelet_dir, plan(state).resources)
         files = NodeFiles.read()
         if opts.config.imex.channel_ids and not files.imex_channel:
             if opts.config.imex.required:
@@ -313,12 +379,17 @@ class Agent:
         with contextlib.suppress(Exception):
             await self.nvml(self.backend.shutdown)
         self.nvml.close()
+        if self._kubelet_lock is not None:
+            self._kubelet_lock.release()
         self.stopped.set()
 
 
 def _quantity(text: str) -> int | None:
     """A device count as the API writes it ("8"); None for anything else."""
     return int(text) if text.isdigit() else None
+
+
+DEFAULT_MACHINE_TYPE_FILE = Path("/sys/class/dmi/id/product_name")
 
 
 def machine_type(path: Path) -> str:
@@ -328,8 +399,10 @@ def machine_type(path: Path) -> str:
         with path.open("rb") as f:
             text = f.read(4096).decode(errors="replace").strip()
     except OSError as err:
-        log.warning("cannot read the machine type from %s: %s; nvidia.com/gpu.machine is unknown", path,
-                    err.strerror)
+        # Machines without DMI (some VMs) have no product name: only a file someone configured is worth a warning.
+        level = logging.INFO if path == DEFAULT_MACHINE_TYPE_FILE else logging.WARNING
+        log.log(level, "cannot read the machine type from %s: %s; nvidia.com/gpu.machine is unknown", path,
+                err.strerror)
         return "unknown"
     return text or "unknown"
 

@@ -181,6 +181,13 @@ class StateCollector(Collector):
         yield allocatable
 
 
+REQUEST_LINE_MAX = 8192
+"""The longest request or header line the endpoint reads; a longer one is answered 431."""
+MAX_HEADERS = 100
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+           431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
 class HttpEndpoint:
     """A small HTTP/1.0 server on the event loop for /metrics, /healthz and /readyz."""
 
@@ -195,7 +202,7 @@ class HttpEndpoint:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def start(self, port: int, host: str = "0.0.0.0") -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        self._server = await asyncio.start_server(self._handle, host, port, limit=REQUEST_LINE_MAX)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -213,17 +220,40 @@ class HttpEndpoint:
         return 404, "text/plain", b"not found\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.IncompleteReadError,
-                                 asyncio.LimitOverrunError):
-            line = await asyncio.wait_for(reader.readline(), 5)
-            parts = line.decode(errors="replace").split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
-            status, ctype, body = self.respond(path)
-            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            status, ctype, body, head_only = await self._answer(reader)
+            extra = "Allow: GET, HEAD\r\n" if status == 405 else ""
             writer.write(
-                f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + body
+                f"HTTP/1.0 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                f"{extra}Connection: close\r\n\r\n".encode() + (b"" if head_only else body)
             )
             await writer.drain()
         with contextlib.suppress(Exception):
             writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool]:
+        """(status, content type, body, whether to leave the body out) for one request; a request that is too
+        long or malformed gets a 4xx and at most one short debug line, never a traceback."""
+        try:
+            line = await asyncio.wait_for(reader.readuntil(b"\n"), 5)
+            for _ in range(MAX_HEADERS):  # the headers, bounded like the request line; none is needed
+                if (await asyncio.wait_for(reader.readuntil(b"\n"), 5)).strip() == b"":
+                    break
+            else:
+                return 431, "text/plain", b"too many header lines\n", False
+        except asyncio.LimitOverrunError:
+            log.debug("HTTP request refused: a line longer than %d bytes", REQUEST_LINE_MAX)
+            return 431, "text/plain", b"request line or header too long\n", False
+        except asyncio.IncompleteReadError as err:
+            if not err.partial:
+                raise
+            line = err.partial  # a request line without its blank line (HTTP/0.9-style probes): answer it
+        parts = line.decode("latin-1").split()
+        if len(parts) not in (2, 3) or not parts[1].startswith("/"):
+            log.debug("HTTP request refused: malformed request line")
+            return 400, "text/plain", b"malformed request\n", False
+        method, target = parts[0], parts[1]
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"only GET and HEAD\n", False
+        status, ctype, body = self.respond(target.split("?", 1)[0])
+        return status, ctype, body, method == "HEAD"

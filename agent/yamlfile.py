@@ -3,7 +3,10 @@ library turned into one line, so no input can crash a parser."""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Hashable, Iterable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -26,6 +29,56 @@ class YamlProblem(ValueError):
     """The text is not YAML the agent can use; the message is one line."""
 
 
+class InputFileError(ValueError):
+    """An input file that cannot be read as text; the message is one line naming the file and the reason."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: {reason}")
+
+
+MAX_INPUT_BYTES = 8 * 1024 * 1024
+"""The largest config, layout, node, kubeconfig or mock state file the agent reads."""
+
+
+def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """A regular file's text, read as every input file of the agent is: at most `max_bytes`, UTF-8. A FIFO, a
+    device or a directory is refused before it is read (opening a FIFO does not block), so no input can hang
+    or exhaust the agent; each problem is one line naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise InputFileError(path, "no such file") from None
+    except OSError as err:
+        raise InputFileError(path, f"cannot open: {err.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise InputFileError(path, f"is {kind}, not a regular file")
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as err:
+        raise InputFileError(path, f"cannot read: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise InputFileError(path, f"larger than {max_bytes // (1024 * 1024)} MiB; not read")
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise InputFileError(path, f"not UTF-8 text (byte 0x{data[err.start]:02x} at line {line})") from None
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last."""
 
@@ -42,6 +95,14 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def listing(names: Iterable[str], limit: int = 20) -> str:
+    """Names for an error message: at most `limit` of them, then how many more, so that an error about a huge
+    file stays one short line (it may end up in a Node annotation)."""
+    items = list(names)
+    shown = ", ".join(items[:limit]) or "none"
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
 
 def _too_large(data: Any) -> bool:

@@ -20,9 +20,9 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-import yaml
 
 from agent.kube.view import Condition, NodeView
+from agent.yamlfile import InputFileError, YamlProblem, load_yaml, read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +100,38 @@ def _load_client_cert(context: ssl.SSLContext, cert: tuple[str | None, bytes | N
         context.load_cert_chain(cert_file, key_file)
 
 
+def _named(config: dict[str, Any], section: str, name: object, path: Path) -> dict[str, Any]:
+    """The `section` entry (cluster, user, context) called `name` in a kubeconfig, or CredentialsError."""
+    entries = config.get(section + "s") or []
+    if not isinstance(entries, list):
+        raise CredentialsError(f"kubeconfig {path}: {section}s is not a list")
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            body = entry.get(section) or {}
+            if not isinstance(body, dict):
+                raise CredentialsError(f"kubeconfig {path}: {section} {name!r} is not a mapping")
+            return body
+    raise CredentialsError(f"kubeconfig {path}: no {section} named {name!r}")
+
+
 def from_kubeconfig(path: Path) -> Credentials:
     """Server and credentials of the kubeconfig's current context: token, token file or client certificate."""
     try:
-        config = yaml.safe_load(path.read_text())
-        contexts = {c["name"]: c["context"] for c in config.get("contexts") or []}
-        context = contexts[config["current-context"]]
-        cluster = {c["name"]: c["cluster"] for c in config.get("clusters") or []}[context["cluster"]]
-        user = {u["name"]: u["user"] for u in config.get("users") or []}.get(context.get("user"), {}) or {}
-    except OSError as err:
-        raise CredentialsError(f"cannot read kubeconfig {path}: {err.strerror}") from err
-    except (yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
-        raise CredentialsError(f"kubeconfig {path}: no usable current context ({type(err).__name__}: {err})") from err
+        config = load_yaml(read_text_file(path))
+    except InputFileError as err:
+        raise CredentialsError(f"cannot read kubeconfig {path}: {err.reason}") from None
+    except YamlProblem as err:
+        raise CredentialsError(f"kubeconfig {path}: {err}") from None
+    if not isinstance(config, dict):
+        raise CredentialsError(f"kubeconfig {path}: not a kubeconfig (expected a mapping)")
+    current = config.get("current-context")
+    if not current:
+        raise CredentialsError(f"kubeconfig {path}: no current-context (set one with kubectl config use-context)")
+    context = _named(config, "context", current, path)
+    cluster = _named(config, "cluster", context.get("cluster"), path)
+    user = _named(config, "user", context.get("user"), path) if context.get("user") else {}
+    if not cluster.get("server"):
+        raise CredentialsError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
     if "exec" in user or "auth-provider" in user:
         raise CredentialsError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
                                "use a token, a token file or a client certificate")

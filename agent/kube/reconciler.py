@@ -30,6 +30,8 @@ EVENT_REASONS = {
     "mig-failed": "MigConfigFailed",
     "mig-rebooting": "MigConfigRebooting",
 }
+EVENT_MESSAGE_MAX = 1024
+"""Event messages are kept to what `kubectl describe` shows in full (events.k8s.io caps a note at 1 kB)."""
 NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mig-success"})
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
@@ -184,6 +186,8 @@ class NodeReconciler:
             kind = "Normal" if incident.kind in NORMAL_INCIDENTS else "Warning"
             reason = EVENT_REASONS.get(incident.kind, "GPUAgent")
             message = f"GPU {incident.gpu_uuid}: {incident.message}" if incident.gpu_uuid else incident.message
+            if len(message) > EVENT_MESSAGE_MAX:
+                message = message[: EVENT_MESSAGE_MAX - 15] + " ... (shortened)"
             await self._api.event(reason, message, kind, self._node.uid)
             self._emitted = incident.seq
 

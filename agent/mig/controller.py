@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from agent.locks import Held, mig_apply_lock
 from agent.metrics import Metrics
 from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
@@ -114,8 +115,15 @@ class MigController:
                 await self._finish(ApplyResult(name, "failed", why), changing)
                 return self._status()
         journal = Journal(state.config.mig.state_dir)
+
+        def locked_apply() -> ApplyResult:
+            with mig_apply_lock(state.config.mig.state_dir):
+                return apply_layout(self._ops, gpus, layout, journal, step=log.info)
+
         try:
-            result = await self._nvml(lambda: apply_layout(self._ops, gpus, layout, journal, step=log.info))
+            result = await self._nvml(locked_apply)
+        except Held as err:  # someone runs `gpu-agent mig apply` on this node
+            result = ApplyResult(name, "failed", str(err))
         except Exception as err:  # an NVML error mid-apply: report it; the next apply converges from there
             log.exception("MIG apply of %s failed", name)
             result = ApplyResult(name, "failed", f"NVML error during apply: {err}")

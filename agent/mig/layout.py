@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from agent.yamlfile import FileProblems, YamlProblem, load_yaml
+from agent.yamlfile import FileProblems, InputFileError, YamlProblem, listing, load_yaml, read_text_file
 
 DEFAULT_LAYOUTS = "default-layouts.yaml"
 """The layout file shipped with the agent (package data of agent.mig)."""
@@ -210,12 +210,12 @@ class LayoutFile:
             if len(self.layouts) == 1:
                 return next(iter(self.layouts.values()))
             raise LayoutError(self.origin, [("", f"name a layout: the file has {len(self.layouts)} "
-                                                 f"({', '.join(self.layouts)})")])
+                                                 f"({listing(self.layouts)})")])
         try:
             return self.layouts[name]
         except KeyError:
             raise LayoutError(self.origin, [("", f"no layout named {name!r} "
-                                                 f"(known: {', '.join(self.layouts)})")]) from None
+                                                 f"(known: {listing(self.layouts)})")]) from None
 
 
 # --- the file as written -------------------------------------------------------------------------------
@@ -490,8 +490,7 @@ def load_layouts(path: Path | None = None) -> LayoutFile:
     if path is None:
         return parse_layouts(default_layouts_text(), f"built-in {DEFAULT_LAYOUTS}")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = "no such file" if isinstance(err, FileNotFoundError) else f"cannot read: {err}"
-        raise LayoutError(str(path), [("", reason)]) from None
+        text = read_text_file(path)
+    except InputFileError as err:
+        raise LayoutError(str(path), [("", err.reason)]) from None
     return parse_layouts(text, str(path))

@@ -213,6 +213,12 @@ class NvmlBackend:
                 # A GPU already off the bus has no handle and no UUID to advertise; it is reported, not served.
                 self.lost_at_start.append(i)
 
+    def problem(self) -> str | None:
+        """Why the library cannot serve right now, where it can tell (the fake's unusable state file); None
+        otherwise."""
+        problem = getattr(self.lib, "state_problem", None)
+        return problem if isinstance(problem, str) else None
+
     def shutdown(self) -> None:
         if self._initialised:
             with contextlib.suppress(pynvml.NVMLError):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
+import json
+import logging
 import os
 import threading
 import time
@@ -19,9 +22,11 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 import pynvml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from agent.nvml import MockStateError
 from agent.nvml.catalog import MIB, GpuModel, MigProfile, Placement
 from agent.nvml.fake_telemetry import TELEMETRY_FUNCTIONS, FakeTelemetry
 from agent.nvml.nodefile import GpuSpec, NodeSpec, normalize_bus_id
+from agent.yamlfile import InputFileError, read_text_file
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -69,6 +74,12 @@ _SWITCH_PCI_DEVICE_ID = {
 _SWITCH_BUS_BASE = 0xE0
 
 _CArgObject = type(ctypes.byref(ctypes.c_uint()))
+
+MAX_STATE_BYTES = 64 * 1024 * 1024
+"""The largest mock state file read (it grows with the events it keeps)."""
+
+log = logging.getLogger(__name__)
+
 
 PCI_3D_CONTROLLER = 0x030200
 """PCI class code of a 3D controller: a GPU in compute mode."""
@@ -348,6 +359,8 @@ class FakeNvml(FakeTelemetry):
         self._event_sets: dict[int, _EventSet] = {}
         self._next_event_set = 1
         self._file_key: tuple[int, int, int] | None = None
+        self.state_problem: str | None = None
+        """Why the state file cannot be used (one line), while it cannot; None when it can."""
         self._by_uuid = {g.uuid: g for g in spec.gpus}
         self._by_bus = {g.pci_bus_id: g for g in spec.gpus}
         self._links = [self._wire_nvlinks(g) for g in spec.gpus]
@@ -371,16 +384,38 @@ class FakeNvml(FakeTelemetry):
     def _stat_key(path: Path) -> tuple[int, int, int] | None:
         try:
             st = os.stat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    @staticmethod
-    def _read_state(path: Path) -> _State:
+    def _read_state(self, path: Path) -> _State:
+        """The state another process (or an earlier run) wrote; MockStateError in one line when it is not one
+        this fake wrote for this node."""
         try:
-            return _State.model_validate_json(path.read_bytes())
-        except (OSError, ValidationError) as err:
-            raise ValueError(f"{path}: not a usable fake NVML state file: {err}") from err
+            text = read_text_file(path, MAX_STATE_BYTES)
+        except InputFileError as err:
+            raise MockStateError(f"mock state {err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise MockStateError(f"mock state {path}: not JSON ({err.msg} at line {err.lineno}, column "
+                                 f"{err.colno}); delete it to start the simulated node afresh") from None
+        if not isinstance(data, dict) or "format" not in data or "gpus" not in data:
+            raise MockStateError(f"mock state {path}: not a fake NVML state file (no 'format' and 'gpus'); delete "
+                                 "it to start the simulated node afresh")
+        try:
+            state = _State.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            raise MockStateError(f"mock state {path}: {where}: {first['msg'].lower()}; delete it to start the "
+                                 "simulated node afresh") from None
+        if state.node and state.node != self.spec.name:
+            raise MockStateError(f"mock state {path}: written for node {state.node!r}, not {self.spec.name!r}")
+        unknown = sorted(set(state.gpus) - set(self._by_uuid))
+        if unknown:
+            raise MockStateError(f"mock state {path}: GPU {unknown[0]} is not a GPU of node {self.spec.name!r}")
+        return state
 
     def _sync(self) -> None:
         """Pick up changes another process wrote to the state file, and deliver its new events."""
@@ -389,7 +424,17 @@ class FakeNvml(FakeTelemetry):
         key = self._stat_key(self.state_file)
         if key is None or key == self._file_key:
             return
-        self._state = self._read_state(self.state_file)
+        try:
+            state = self._read_state(self.state_file)
+        except MockStateError as err:
+            # As a broken driver does: every call fails until the file is usable again; the last good state
+            # is kept, and the agent reports itself not ready with this line.
+            if self.state_problem != str(err):
+                log.error("%s", err)
+            self.state_problem = str(err)
+            raise _nvml_error(pynvml.NVML_ERROR_UNKNOWN) from None
+        self.state_problem = None
+        self._state = state
         self._file_key = key
         self._complete_state()
         for record in self._state.events:
@@ -399,19 +444,24 @@ class FakeNvml(FakeTelemetry):
     def _persist(self) -> None:
         if self.state_file is None:
             return
-        path = self.state_file
+        path = self.state_file.resolve()  # a symlink's target is what gets replaced, not the link
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         data = self._state.model_dump_json(indent=1).encode()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise MockStateError(f"mock state {self.state_file}: cannot write it: {err.strerror}") from None
         self._file_key = self._stat_key(path)
 
     @contextmanager
@@ -420,9 +470,14 @@ class FakeNvml(FakeTelemetry):
         if self.state_file is None:
             yield
             return
-        self.state_file.parent.mkdir(parents=True, exist_ok=True)
         lock_path = self.state_file.with_name(self.state_file.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            parent = self.state_file.parent
+            why = f"{parent} is not a directory" if parent.exists() and not parent.is_dir() else err.strerror
+            raise MockStateError(f"mock state {self.state_file}: cannot write it: {why}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._sync()

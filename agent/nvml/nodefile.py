@@ -16,7 +16,7 @@ import pynvml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.nvml.catalog import GpuModel, UnknownGpuModel, lookup
-from agent.yamlfile import FileProblems, YamlProblem, load_yaml
+from agent.yamlfile import FileProblems, InputFileError, YamlProblem, load_yaml, read_text_file
 
 PcieLevel = Literal["single", "multiple", "hostbridge", "node", "system"]
 PCIE_LEVELS: tuple[str, ...] = get_args(PcieLevel)
@@ -418,11 +418,11 @@ def load_node(source: str, node_name: str | None = None) -> NodeSpec:
     """Load a node from a preset name or a node file path. ``node_name`` names the node when the file
     does not (default: the preset name or the file's stem)."""
     path = Path(source)
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise NodeFileError(source, [("", f"cannot read: {err}")]) from None
+            text = read_text_file(path)
+        except InputFileError as err:
+            raise NodeFileError(source, [("", err.reason)]) from None
         return parse_node(text, source, node_name or path.stem)
     if source in presets():
         return parse_node(preset_text(source), f"preset {source}", node_name or source)

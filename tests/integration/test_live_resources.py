@@ -55,7 +55,7 @@ async def test_config_reload_changes_only_the_affected_resources(tmp_path: Path)
         assert (rejected.kind, rejected.message) == (
             "config-rejected",
             f"config reload rejected: {path}: sharing.timeSlicing.resources[0].replicas: "
-            "Input should be greater than or equal to 2",
+            "got 1; must be at least 2",
         )
 
         path.write_text("version: v1\n")

@@ -39,7 +39,7 @@ def test_nvidia_key_names_are_accepted() -> None:
         ("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/mig-1g.10gb, replicas: 2}\n",
          "cfg.yaml: sharing.mps.resources: MPS shares whole GPUs only (nvidia.com/gpu), not nvidia.com/mig-1g.10gb"),
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
-         "cfg.yaml: sharing.timeSlicing.resources[0].replicas: Input should be greater than or equal to 2"),
+         "cfg.yaml: sharing.timeSlicing.resources[0].replicas: got 1; must be at least 2"),
         ("version: v1\nresources:\n  gpus:\n  - {pattern: '*', name: GPU_H100}\n",
          "cfg.yaml: resources.gpus[0].name: 'nvidia.com/GPU_H100' is not a resource name under nvidia.com/ "
          "(lower case, digits, '-', '.')"),
@@ -71,7 +71,7 @@ def test_xid_keys_must_be_numbers() -> None:
     assert str(caught.value) == "c: health.xid: XIDs are numbers 1..1023, got the key '13'"
     with pytest.raises(ConfigError) as caught:
         parse_config("version: v1\nhealth: {xid: {0: ignore}}\n", "c")
-    assert str(caught.value) == "c: health.xid[0]: bad key: Input should be greater than or equal to 1"
+    assert str(caught.value) == "c: health.xid[0]: bad key: got 0; must be at least 1"
 
 
 def test_every_problem_gets_a_line() -> None:
@@ -86,7 +86,7 @@ def test_every_problem_gets_a_line() -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "nope.yaml")
-    assert str(caught.value) == f"{tmp_path / 'nope.yaml'}: cannot read config: No such file or directory"
+    assert str(caught.value) == f"{tmp_path / 'nope.yaml'}: cannot read config: no such file"
 
 
 def test_named_configs_in_a_directory(tmp_path: Path) -> None:
