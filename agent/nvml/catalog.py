@@ -1,4 +1,4 @@
-"""GPU models and their MIG profile tables, as NVML reports them (facts from shared/reference/)."""
+"""GPU models and their MIG profile tables, as NVML reports them (facts and sources: docs/reference/mig-profiles.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class MigProfile:
     """One GPU-instance profile of one GPU model.
 
     ``index`` is the ``NVML_GPU_INSTANCE_PROFILE_*`` constant passed to ``...GetGpuInstanceProfileInfo``;
-    ``id`` is the ``info.id`` NVML returns, which every later call takes (mig-profiles.md section 3).
+    ``id`` is the ``info.id`` NVML returns, which every later call takes (docs/reference/mig-profiles.md,
+    "Profile index and profile id").
     ``slice_count`` counts compute slices (the G in ``<G>g``); placement sizes count memory slices.
     """
 
@@ -93,7 +94,7 @@ class UnknownGpuModel(KeyError):
 
 
 def profile_memory_gb(memory_size_mib: int, total_memory_bytes: int) -> int:
-    """The ``<GB>`` of a profile name, by go-nvlib's rounding rule (mig-profiles.md section 4).
+    """The ``<GB>`` of a profile name, by go-nvlib's rounding rule (docs/reference/mig-profiles.md, "Profile names").
 
     Rounds half away from zero: built-in ``round`` would turn 70.5 into 70.
     """
@@ -120,7 +121,7 @@ _CI_4 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, 3)
 _CI_7 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, 4)
 
 # (index constant, id, G, max instances, placements, CI profile (index, id)) for the full-size MIG GPUs.
-# Ids and placements are the same on A100, H100 and H200 (mig-profiles.md sections 3 and 5).
+# Ids and placements are the same on A100, H100 and H200 (docs/reference/mig-profiles.md).
 _SHAPES: dict[str, tuple[int, int, int, int, tuple[Placement, ...], tuple[int, int]]] = {
     "1g": (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE, 19, 1, 7, _ONE, _CI_1),
     "1g+me": (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, 1, 1, _ONE, _CI_1),
@@ -196,8 +197,9 @@ def _table(
     )
 
 
-# Memory sizes in MiB. A100-40GB: mig-profiles.md table. A100-80GB: the real `nvidia-smi` GiB figures where
-# the reference has them (1g 9.50, 2g 19.50, 3g 39.25 GiB), the go-nvml mock figures otherwise (1g.20gb,
+# Memory sizes in MiB; docs/reference/mig-profiles.md names the source of each table. A100-40GB: go-nvml's mock
+# and the MIG guide's fractions. A100-80GB: the real `nvidia-smi` GiB figures where a capture has them
+# (1g 9.50, 2g 19.50, 3g 39.25 GiB), the go-nvml mock figures otherwise (1g.20gb,
 # 4g.40gb, 7g.80gb). H100: the `nvidia-smi` GiB column (the mock MiB column is known wrong). H200: the
 # `nvidia-smi` capture. Every name follows from its memory by profile_memory_gb (checked in the tests).
 _A100_40GB_PROFILES = _table(
@@ -254,7 +256,7 @@ _H200_141GB_PROFILES = _table(
     _HOPPER_ENGINES,
 )
 
-# Total memory as NVML reports it (nvmlDeviceGetMemoryInfo().total / MiB). PCI ids: mig-profiles.md section 8
+# Total memory as NVML reports it (nvmlDeviceGetMemoryInfo().total / MiB). PCI ids: docs/reference/mig-profiles.md
 # for the MIG parts; the H200 SXM id is the GPU Operator's (go-nvml's mock uses 0x233310DE instead).
 _MODELS: tuple[GpuModel, ...] = (
     GpuModel(

@@ -1,4 +1,4 @@
-"""The GPU model catalog against the figures in shared/reference/mig-profiles.md."""
+"""The GPU model catalog against the figures in docs/reference/mig-profiles.md."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def fresh_view(spec: NodeSpec) -> list[GpuMigState]:
 
 
 def waits_for_reset(spec: NodeSpec, plan: NodePlan) -> list[int]:
-    """GPUs whose MIG mode change waits for a reset: Ampere ones (mig-profiles.md section 6)."""
+    """GPUs whose MIG mode change waits for a reset: Ampere ones (docs/reference/mig-profiles.md, "Mode changes")."""
     ampere = {g.index for g in spec.gpus if g.model.architecture == pynvml.NVML_DEVICE_ARCH_AMPERE}
     return [p.index for p in plan.gpus if p.mode is not ModeChange.NONE and p.index in ampere]
 
