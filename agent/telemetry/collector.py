@@ -95,11 +95,19 @@ class TelemetryCollector:
         return dict(self._last_xid)
 
     async def _holders(self) -> dict[str, tuple[Holder, ...]]:
+        socket = self._socket
+        if not socket.exists():
+            # No kubelet here (a simulated node, or one not mounting the socket): say so once, not each pass.
+            why = f"no kubelet PodResources socket at {socket}: GPU metrics carry no pod labels"
+            if self._podresources_down != why:
+                log.info("%s", why)
+                self._podresources_down = why
+            return {}
         try:
-            found = await allocations(self._socket)
+            found = await allocations(socket)
         except PodResourcesUnavailable as err:
             if self._podresources_down != str(err):
-                log.warning("no pod attribution on GPU metrics: %s", err)
+                log.warning("no pod labels on GPU metrics: %s", err)
                 self._podresources_down = str(err)
             return {}
         if self._podresources_down is not None:
