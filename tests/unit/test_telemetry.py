@@ -277,8 +277,16 @@ def test_nvml_calls_per_pass_are_bounded() -> None:
     node = Node("dgx-h100")
     node.scrape()
     node.scrape()
-    # 8 GPUs: 15 reads each, plus 2 for GPM's second sample and metrics.
+    # 8 GPUs: 13 reads each, and 4 for GPM (allocate, sample, metrics, free the last sample).
     assert node.reader.calls == 8 * 17
+    ampere = Node("dgx-a100")  # no GPM
+    ampere.scrape()
+    ampere.scrape()
+    assert ampere.reader.calls == 8 * 13
+    mig = mig_node()  # two MIG devices on GPU 0: memory and GPM each
+    mig.scrape()
+    mig.scrape()
+    assert mig.reader.calls == 8 * 17 + 2 * 5
 
 
 def test_the_switch_and_the_interval_in_the_config() -> None:
