@@ -1,6 +1,7 @@
 """Every relative link in the repository's documentation resolves to a file in the repository, and every anchor to
 a heading of that file. A link that leaves the repository fails even when its target exists on this machine: a
-clone does not have it."""
+clone does not have it. And the two maps a newcomer starts from cover the territory: docs/architecture.md names
+every part of the package, tests/README.md every layer of the tests."""
 
 from __future__ import annotations
 
@@ -118,3 +119,30 @@ def test_broken_links_names_each_kind_of_fault(tmp_path: Path) -> None:
         "#nowhere: no heading #nowhere in docs/guide.md",
         "missing-too.md: no file docs/missing-too.md",
     ]
+
+
+def parts_of_the_package() -> list[str]:
+    """Each top-level module and subpackage of agent/, as the design page writes it; generated stubs excluded."""
+    parts = []
+    for path in sorted((REPO / "agent").iterdir()):
+        if path.name.startswith(("_", ".")) or path.name.endswith("_v1"):
+            continue
+        if path.is_dir() and (path / "__init__.py").is_file():
+            parts.append(f"agent/{path.name}/")
+        elif path.suffix == ".py":
+            parts.append(f"agent/{path.name}")
+    return parts
+
+
+def test_the_design_names_every_part_of_the_package() -> None:
+    parts = parts_of_the_package()
+    assert {"agent/daemon.py", "agent/state.py", "agent/nvml/", "agent/deviceplugin/", "agent/kube/"} <= set(parts)
+    design = (REPO / "docs" / "architecture.md").read_text()
+    assert [p for p in parts if f"`{p}`" not in design] == []
+
+
+def test_the_tests_guide_names_every_layer() -> None:
+    layers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.rglob("test_*.py")))
+    assert {"unit", "integration", "kubelet", "faults", "fuzz", "e2e"} <= set(layers)
+    guide = (REPO / "tests" / "README.md").read_text()
+    assert [name for name in layers if f"`{name}/`" not in guide] == []
