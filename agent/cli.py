@@ -279,10 +279,18 @@ def cmd_mig(args: argparse.Namespace) -> int:
         gpus = len(backend.inventory().gpus)
         if args.action == "apply":
             out = sys.stderr if args.json else sys.stdout
+            def apply() -> Any:
+                return apply_layout(ops, gpus, layout, Journal(args.state_dir),
+                                    step=lambda s: print(s, file=out, flush=True))
+
             try:
-                with mig_apply_lock(args.state_dir):
-                    result = apply_layout(ops, gpus, layout, Journal(args.state_dir),
-                                          step=lambda s: print(s, file=out, flush=True))
+                try:
+                    plan_layout(ops, gpus, layout)
+                except PlanError:
+                    result = apply()  # it fails the same way before touching anything, even the state dir
+                else:
+                    with mig_apply_lock(args.state_dir):
+                        result = apply()
             except Held as err:
                 raise CliError(str(err)) from None
             except OSError as err:

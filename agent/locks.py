@@ -9,8 +9,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-MIG_LOCK = "mig.lock"
-
 
 class Held(RuntimeError):
     """Another process holds the lock; the message is one line naming it."""
@@ -43,15 +41,15 @@ def _flock(fd: int, path: Path, what: str) -> None:
 
 @contextlib.contextmanager
 def mig_apply_lock(state_dir: Path) -> Iterator[None]:
-    """Held for one MIG apply: the agent's MIG controller and `gpu-agent mig apply` take it alike."""
+    """Held for one MIG apply: the agent's MIG controller and `gpu-agent mig apply` take it alike. It locks the
+    state directory itself, so no lock file is left behind."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / MIG_LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    _flock(fd, path, "another MIG apply is running on this node")
+    lock = DirectoryLock(state_dir, "another MIG apply is running on this node")
+    lock.acquire()
     try:
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 class DirectoryLock:

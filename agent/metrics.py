@@ -52,6 +52,8 @@ class Metrics:
                                             ["outcome"], registry=r)
         self.mig_seconds = Histogram("gpu_agent_mig_reconfiguration_seconds", "Time to apply a MIG layout.",
                                      buckets=(1, 5, 15, 30, 60, 120, 300, 600), registry=r)
+        self.mig_retries = Counter("gpu_agent_mig_retries", "MIG layouts tried again while the label stayed, by "
+                                   "the outcome that made them retry.", ["outcome"], registry=r)
         self.config_keys_without_effect = Gauge(
             "gpu_agent_config_keys_without_effect",
             "Keys of the config in force that are accepted but have no effect here (1 each).", ["key"], registry=r)

@@ -97,7 +97,7 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
-def listing(names: Iterable[str], limit: int = 20) -> str:
+def listing(names: Iterable[str], limit: int = 40) -> str:
     """Names for an error message: at most `limit` of them, then how many more, so that an error about a huge
     file stays one short line (it may end up in a Node annotation)."""
     items = list(names)

@@ -27,6 +27,11 @@ T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 BUSY_POLL_S = 2.0
+RETRY_DELAYS_S = (30.0, 60.0, 120.0, 300.0, 600.0)
+"""A failed layout is tried again after these delays while the label stays; then only a new label retries."""
+REBOOT_CHECK_S = 60.0
+"""How often a layout waiting for a GPU reset (rebooting) checks whether the GPUs took their MIG mode."""
+NO_MORE_TRIES = "no more tries until the label changes"
 
 
 def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
@@ -143,10 +148,61 @@ class MigController:
         if interrupted is not None and state.mig_request is None:
             log.warning("finishing the interrupted MIG apply of %s", interrupted)
             await self.apply(interrupted)
+        retries = 0
         while True:
             state = self._bus.current
             if state.mig_request is not None and state.mig_request != handled:
-                handled = state.mig_request
+                handled, retries = state.mig_request, 0
                 await self.apply(handled)
                 continue
-            await self._bus.wait_newer(state.version)
+            status = state.mig_status
+            if status is None or status.layout != handled or status.state not in ("failed", "rebooting"):
+                await self._bus.wait_newer(state.version)
+                continue
+            if status.state == "rebooting":
+                if await self._waits_for_reset(handled):
+                    continue  # the label changed meanwhile
+                log.info("MIG layout %s: a GPU took its pending MIG mode; applying again", status.layout)
+            else:
+                if retries >= len(RETRY_DELAYS_S):
+                    if not status.reason.endswith(NO_MORE_TRIES):
+                        await self._say(status, NO_MORE_TRIES)
+                    await self._bus.wait_newer(self._bus.current.version)
+                    continue
+                delay = RETRY_DELAYS_S[retries]
+                await self._say(status, f"next try in {delay:g}s (retry {retries + 1} of {len(RETRY_DELAYS_S)})")
+                try:
+                    await asyncio.wait_for(self._request_changes(handled), delay)
+                    continue  # the label changed (or went): that request wins
+                except TimeoutError:
+                    pass
+                retries += 1
+                log.warning("MIG layout %s failed; trying again (retry %d of %d)", status.layout, retries,
+                            len(RETRY_DELAYS_S))
+            if self._metrics:
+                self._metrics.mig_retries.labels(outcome=status.state).inc()
+            await self.apply(status.layout)
+
+    async def _say(self, status: MigStatus, note: str) -> None:
+        await self._bus.update(mig_status=MigStatus(status.layout, status.state, f"{status.reason}; {note}"))
+
+    async def _waits_for_reset(self, handled: str | None) -> bool:
+        """Wait until a GPU with a pending MIG mode has taken it (a GPU reset or a reboot); True when the label
+        changed first."""
+        while True:
+            try:
+                await asyncio.wait_for(self._request_changes(handled), REBOOT_CHECK_S)
+                return True
+            except TimeoutError:
+                pass
+            inventory = await self._nvml(self._backend.inventory)
+            if not any(g.mig_pending for g in inventory.gpus):
+                return False
+
+    async def _request_changes(self, handled: str | None) -> None:
+        version = self._bus.current.version
+        while True:
+            state = await self._bus.wait_newer(version)
+            if state.mig_request != handled:
+                return
+            version = state.version

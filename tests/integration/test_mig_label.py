@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 import yaml
 
 from agent.config import parse_config
 from agent.daemon import Agent, AgentOptions
+from agent.mig import controller
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
@@ -135,7 +137,11 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
         try:
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
             await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
-            assert node.view.annotations[REASON] == "GPUs 2, 5 are in use by ml/trainer-0, ml/eval-0"
+            # The reason, then when it is tried again while the label stays.
+            reason = "GPUs 2, 5 are in use by ml/trainer-0, ml/eval-0"
+            await wait_until(lambda: node.view.annotations.get(REASON) == f"{reason}; next try in 30s (retry 1 "
+                             "of 5)", what="the retry announced")
+            assert ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}") in node.events
             await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
             assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)  # type: ignore[union-attr]
         finally:
@@ -179,3 +185,36 @@ async def test_a_layout_that_selects_no_gpu_succeeds_and_says_so(tmp_path: Path)
         assert node.view.annotations[REASON] == reason
         assert ("Normal", "MigConfigApplied", f"MIG layout a100-only: success: {reason}") in node.events
         assert counts(kubelet) == {"nvidia.com/gpu": 8}
+
+
+async def test_a_failed_layout_is_tried_again_while_the_label_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(controller, "RETRY_DELAYS_S", (0.5, 0.5))
+    async with mig_node() as (agent, node, _, kubelet, directory):
+        gpus = agent.bus.current.inventory.gpus  # type: ignore[union-attr]
+        holding = {"trainer-0": [gpus[3].uuid]}
+        server = grpc.aio.server()
+        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources(holding), server)
+        server.add_insecure_port(f"unix://{directory}/pr.sock")
+        await server.start()
+        try:
+            await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+            await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
+            holding.clear()  # the training pod ends: the next try goes through
+            await wait_until(lambda: node.view.labels.get(STATE) == "success", timeout=30, what="success")
+            assert node.states == ["pending", "failed", "pending", "success"]
+            assert agent.metrics.mig_retries.labels(outcome="failed")._value.get() == 1
+            await wait_until(lambda: counts(kubelet) == {"nvidia.com/mig-1g.10gb": 56}, what="56 MIG devices")
+
+            # Held for good: two retries, then it says it stops trying.
+            await node.patch_metadata({"nvidia.com/mig.config": "all-disabled"}, {})
+            await wait_until(lambda: node.view.labels.get(STATE) == "success" and counts(kubelet) == {
+                "nvidia.com/gpu": 8}, timeout=30, what="whole GPUs again")
+            holding["trainer-0"] = [gpus[3].uuid]
+            await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+            reason = "GPU 3 is in use by ml/trainer-0"
+            await wait_until(lambda: node.view.annotations.get(REASON) == f"{reason}; {controller.NO_MORE_TRIES}",
+                             timeout=30, what="no more tries")
+            assert [e for e in node.events if e[1] == "MigConfigFailed"][-3:] == [
+                ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}")] * 3
+        finally:
+            await server.stop(None)

@@ -693,7 +693,7 @@ def test_state_written_by_another_process(tmp_path: Path) -> None:
 def test_a_broken_state_file_is_reported(tmp_path: Path) -> None:
     state = tmp_path / "nvml.json"
     state.write_text('{"format": 7}')
-    with pytest.raises(ValueError, match="not a usable fake NVML state file"):
+    with pytest.raises(ValueError, match="not a fake NVML state file"):
         FakeNvml(load_node("dgx-h100"), state)
 
 
