@@ -28,11 +28,13 @@ from agent.metrics import HttpEndpoint, Metrics
 from agent.mig.controller import MigController
 from agent.mig.layout import LayoutError, load_layouts
 from agent.mps import MpsDaemons
+from agent.nvml import MockStateError
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
 from agent.telemetry.exposition import renderer
 from agent.topology.prefer import Preferences
+from agent.yamlfile import FileProblems, InputFileError
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,11 @@ class NvmlThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+ONE_LINE_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError, MockStateError, FileProblems, InputFileError, StartupError, Held, NvmlUnavailable)
+"""Errors whose message already says what is wrong in one line: logged as that line, not as a traceback."""
+
+
 async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metrics) -> None:
     """Run a long-lived task forever: log and count each failure, restart it with backoff."""
     backoff = 0.5
@@ -123,6 +130,8 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metr
             log.error("task %s returned; restarting", name)
         except asyncio.CancelledError:
             raise
+        except ONE_LINE_ERRORS as err:
+            log.error("task %s failed: %s; restarting in %.1fs", name, str(err).replace("\n", "; "), backoff)
         except Exception:
             log.exception("task %s failed; restarting in %.1fs", name, backoff)
         metrics.task_restarts.labels(task=name).inc()
@@ -369,6 +378,9 @@ class Agent:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.monitor is not None:
+            with contextlib.suppress(Exception):
+                await self.monitor.close()
         if self.plugins is not None:
             await self.plugins.stop(grace=1.0)
         if self.http is not None:

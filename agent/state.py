@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -32,9 +34,15 @@ class Incident:
     kind: str
     """"fault", "warning" or "recovered"."""
     message: str
+    at: float = 0.0
+    """When it happened (Unix time)."""
 
 
 MAX_INCIDENTS = 64
+MAX_INCIDENT_AGE_S = 3600.0
+"""Incidents are kept until they are older than this or more than MAX_INCIDENTS came after them: enough for the
+node reconciler to turn each into an Event across an API server outage of up to an hour, bounded in memory. The
+reconciler says how many it never got to emit."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +106,27 @@ class NodeState:
 class StateBus:
     """Holds the newest NodeState and wakes consumers when a newer one is published.
 
-    Lives on the event loop; producers on other threads publish with loop.call_soon_threadsafe.
+    Lives on the event loop; producers on other threads publish with loop.call_soon_threadsafe. Consumers on
+    other threads wait with wait_newer_blocking.
     """
 
     def __init__(self, initial: NodeState) -> None:
         self._state = initial
         self._changed = asyncio.Condition()
+        self._published = threading.Condition()
+        """Notified with every new state, for consumers on other threads."""
+
+    def wake(self) -> None:
+        """Wake every wait_newer_blocking caller to check its `until` again (call after making it true)."""
+        with self._published:
+            self._published.notify_all()
+
+    def wait_newer_blocking(self, version: int, until: Callable[[], bool]) -> NodeState | None:
+        """From a thread other than the event loop's: block until a state above `version` is published and
+        return it, or return None once `until()` is true (whoever makes it true calls wake())."""
+        with self._published:
+            self._published.wait_for(lambda: self._state.version > version or until())
+            return self._state if self._state.version > version else None
 
     @property
     def current(self) -> NodeState:
@@ -115,12 +138,14 @@ class StateBus:
         async with self._changed:
             self._state = state
             self._changed.notify_all()
+            self.wake()
 
     async def update(self, **changes: object) -> NodeState:
         """Publish the current state with the given fields replaced; returns the new version."""
         async with self._changed:
             self._state = self._state.evolve(**changes)
             self._changed.notify_all()
+            self.wake()
             return self._state
 
     async def record(self, incidents: list[tuple[str, str, str]], **changes: object) -> NodeState:
@@ -128,9 +153,13 @@ class StateBus:
         async with self._changed:
             state = self._state
             seq = state.incidents[-1].seq if state.incidents else 0
-            added = [Incident(seq + i, uuid, kind, message) for i, (uuid, kind, message) in enumerate(incidents, 1)]
-            self._state = state.evolve(incidents=(*state.incidents, *added)[-MAX_INCIDENTS:], **changes)
+            now = time.time()
+            added = [Incident(seq + i, uuid, kind, message, now)
+                     for i, (uuid, kind, message) in enumerate(incidents, 1)]
+            kept = [i for i in (*state.incidents, *added) if now - i.at <= MAX_INCIDENT_AGE_S][-MAX_INCIDENTS:]
+            self._state = state.evolve(incidents=tuple(kept), **changes)
             self._changed.notify_all()
+            self.wake()
             return self._state
 
     async def wait_newer(self, version: int) -> NodeState:

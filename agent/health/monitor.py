@@ -46,6 +46,7 @@ class HealthMonitor:
         """Samples NVML failed for no reason tied to the GPU; they count neither as faults nor as clean."""
         self.events_seen = 0
         """XID events taken from NVML so far (simulate waits on this)."""
+        self._event_set: Any = None
 
     def _fault(self, uuid: str, verdict: Verdict) -> None:
         self._clean[uuid] = 0
@@ -119,17 +120,29 @@ class HealthMonitor:
         await self._publish()
 
     async def run(self) -> None:
-        event_set = await self._nvml(self._backend.open_events)
+        """Sample and take events until cancelled. The event set stays registered when this fails and is run
+        again (the agent's supervisor restarts it): NVML keeps the events a registered set receives, so an XID
+        that comes while the monitor restarts is taken when it runs again, not lost."""
+        if self._event_set is None:
+            self._event_set = await self._nvml(self._backend.open_events)
+        event_set = self._event_set
         loop = asyncio.get_running_loop()
         next_sample = 0.0
-        try:
-            while True:
-                if loop.time() >= next_sample:
-                    await self.sample()
-                    next_sample = loop.time() + self._policy.sample_interval_seconds
+        while True:
+            if loop.time() >= next_sample:
+                await self.sample()
+                next_sample = loop.time() + self._policy.sample_interval_seconds
+            try:
                 event = await self._nvml(lambda: self._backend.wait_event(event_set, EVENT_WAIT_MS))
-                if event is not None:
-                    await self.on_xid(event.gpu_uuid, event.xid)
-                    self.events_seen += 1
-        finally:
+            except Exception:
+                await self.close()  # the event set itself failed: the next run registers a new one
+                raise
+            if event is not None:
+                await self.on_xid(event.gpu_uuid, event.xid)
+                self.events_seen += 1
+
+    async def close(self) -> None:
+        """Free the event set (the agent is stopping)."""
+        if self._event_set is not None:
+            event_set, self._event_set = self._event_set, None
             await self._nvml(lambda: self._backend.close_events(event_set))

@@ -183,6 +183,12 @@ class NodeReconciler:
         for incident in state.incidents:
             if incident.seq <= self._emitted:
                 continue
+            if incident.seq > self._emitted + 1:
+                missed = incident.seq - self._emitted - 1
+                await self._api.event("EventsDropped", f"{missed} earlier GPU agent event(s) could not be recorded "
+                                      "in time (the history keeps the newest 64, for up to an hour)", "Warning",
+                                      self._node.uid)
+                self._emitted = incident.seq - 1
             kind = "Normal" if incident.kind in NORMAL_INCIDENTS else "Warning"
             reason = EVENT_REASONS.get(incident.kind, "GPUAgent")
             message = f"GPU {incident.gpu_uuid}: {incident.message}" if incident.gpu_uuid else incident.message

@@ -318,3 +318,17 @@ async def test_fail_on_init_error_false_serves_nothing_and_stays_up(tmp_path: Pa
         shutil.rmtree(directory, ignore_errors=True)
     assert not any("Traceback" in line for line in lines), "\n".join(lines)
     assert [line.split(": ", 1)[1] for line in lines if " ERROR agent.daemon: " in line] == [idle]
+
+
+async def test_an_xid_while_the_monitor_restarts_is_not_lost() -> None:
+    async with agent_on_node() as rig:
+        monitor = rig.agent.monitor
+        assert monitor is not None
+        # A sample fails with an error that ends the monitor's run; the supervisor restarts it after a backoff.
+        rig.fake.fail_next("nvmlDeviceGetUUID", pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        await wait_until(lambda: rig.restarts().get("health") == 1, 10, "the health task restarted")
+        # The XID lands while the monitor is down (inside the restart backoff) ...
+        rig.fake.inject_xid(2, 79)
+        # ... and is taken once it runs again: the event set stayed registered.
+        await wait_until(lambda: rig.health()[2] == "Unhealthy", 10, "GPU 2 unhealthy after the XID")
+        assert monitor.xid_counts == {(rig.uuid(2), 79): 1}

@@ -289,3 +289,27 @@ async def test_the_metrics_endpoint_answers_abuse_with_4xx_and_no_traceback(capl
         got = await http(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nUser-Agent: kube-probe/1.34\r\n\r\n")
         assert got.endswith(b"\r\n\r\nok\n")
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+async def test_a_task_failing_with_a_one_line_error_logs_that_line_not_a_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from agent.config import ConfigError
+    from agent.daemon import supervise
+    from agent.metrics import Metrics
+
+    runs: list[int] = []
+
+    async def task() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            raise ConfigError("cfg.yaml: flags.migStrategy: got 'split'; expected 'none', 'single' or 'mixed'")
+        await asyncio.Event().wait()
+
+    metrics = Metrics()
+    running = asyncio.create_task(supervise("config-reload", task, metrics))
+    await wait_until(lambda: len(runs) == 2, 5, "the task restarted")
+    running.cancel()
+    (record,) = [r for r in caplog.records if r.name == "agent.daemon"]
+    assert (record.levelname, record.exc_info, record.getMessage()) == (
+        "ERROR", None, "task config-reload failed: cfg.yaml: flags.migStrategy: got 'split'; expected 'none', "
+                       "'single' or 'mixed'; restarting in 0.5s")

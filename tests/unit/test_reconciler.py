@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
+
 from agent.config import DEFAULT_CONFIG
 from agent.kube.reconciler import NodeReconciler, TaintPolicy, node_intent, taints_with
 from agent.kube.view import Condition
@@ -109,3 +111,36 @@ def test_taints_with_keeps_foreign_taints_in_order() -> None:
     mine = {"key": TAINT.key, "value": "true", "effect": "NoSchedule"}
     assert taints_with(current, owned, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
     assert taints_with(current, owned, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]
+
+
+async def test_incidents_past_the_history_bound_are_counted_in_one_event() -> None:
+    node = InMemoryNode("n1")
+    bus = StateBus(NodeState(1, NodeInventory(DriverInfo("570.1.2", "12.8"), (gpu(0), gpu(1)), ())))
+    # A hundred warnings before the reconciler gets to the API server: the history keeps the newest 64.
+    for n in range(100):
+        await bus.record([("GPU-0", "warning", f"warning {n}")])
+    assert [i.seq for i in bus.current.incidents] == list(range(37, 101))
+    reconciler = NodeReconciler(node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned)
+    task = asyncio.create_task(reconciler.run())
+    try:
+        await asyncio.wait_for(reconciler.converged.wait(), 5)
+        await settle(reconciler)
+        assert node.events[0] == ("Warning", "EventsDropped", "36 earlier GPU agent event(s) could not be recorded "
+                                  "in time (the history keeps the newest 64, for up to an hour)")
+        assert node.events[1:] == [("Warning", "GPUWarning", f"GPU GPU-0: warning {n}") for n in range(36, 100)]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_incidents_older_than_an_hour_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import agent.state
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(agent.state.time, "time", lambda: clock[0])
+    bus = StateBus(NodeState(1, NodeInventory(DriverInfo("570.1.2", "12.8"), (gpu(0),), ())))
+    await bus.record([("GPU-0", "warning", "old")])
+    clock[0] += 3601
+    await bus.record([("GPU-0", "warning", "new")])
+    assert [(i.seq, i.message) for i in bus.current.incidents] == [(2, "new")]
