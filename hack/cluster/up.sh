@@ -18,7 +18,7 @@ preset=${1:-${PRESET:-dgx-h100}}
 # The kustomization applied on top of daemonset/ (CLUSTER_OVERLAY: another one, e.g. a deliberately broken copy).
 overlay=$(realpath "${CLUSTER_OVERLAY:-$repo_root/hack/cluster/overlay}")
 preset_file=$repo_root/agent/nvml/presets/$preset.yaml
-[[ -f $preset_file ]] || die "unknown preset '$preset' (presets: $(cd "$repo_root/agent/nvml/presets" && ls -- *.yaml | sed 's/\.yaml$//' | tr '\n' ' '))"
+[[ -f $preset_file ]] || die "unknown preset '$preset' (presets: $(cd "$repo_root/agent/nvml/presets" && ls -- *.yaml | sed 's/\.yaml$//' | paste -sd' '))"
 [[ $EUID == 0 ]] || die "run as root: it starts containerd and a kubelet"
 gpus=$(grep -c '^  - {model:' "$preset_file")
 
