@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -256,9 +257,17 @@ def _node_name(source: str) -> str:
     return f"sim-{Path(source).stem}" if source.endswith((".yaml", ".yml")) else f"sim-{source}"
 
 
+class ApplyInterrupted(Exception):
+    """A signal asked `mig apply` to stop; it stops between two changes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signum
+
+
 def cmd_mig(args: argparse.Namespace) -> int:
     from agent.locks import Held, mig_apply_lock
-    from agent.mig.applier import Journal, apply_layout, plan_layout
+    from agent.mig.applier import Journal, apply_layout, plan_layout, planned_steps
     from agent.mig.layout import LayoutError, load_layouts
     from agent.mig.planner import PlanError
     from agent.nvml.backend import MigOps, NvmlUnavailable
@@ -279,9 +288,24 @@ def cmd_mig(args: argparse.Namespace) -> int:
         gpus = len(backend.inventory().gpus)
         if args.action == "apply":
             out = sys.stderr if args.json else sys.stdout
+            taken: list[str] = []
+            signals: list[int] = []
+
+            def step(description: str) -> None:
+                # Called before each change: a SIGINT or SIGTERM stops the apply here, between two changes.
+                if signals:
+                    raise ApplyInterrupted(signals[0])
+                taken.append(description)
+                print(description, file=out, flush=True)
+
             def apply() -> Any:
-                return apply_layout(ops, gpus, layout, Journal(args.state_dir),
-                                    step=lambda s: print(s, file=out, flush=True))
+                previous = {sig: signal.signal(sig, lambda n, _: signals.append(n))
+                            for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    return apply_layout(ops, gpus, layout, Journal(args.state_dir), step=step)
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
 
             try:
                 try:
@@ -293,6 +317,14 @@ def cmd_mig(args: argparse.Namespace) -> int:
                         result = apply()
             except Held as err:
                 raise CliError(str(err)) from None
+            except ApplyInterrupted as err:
+                name = signal.Signals(err.signal).name
+                last = f" (the last: {taken[-1]})" if taken else ""
+                print(f"gpu-agent mig: interrupted by {name} after {len(taken)} change(s){last}; layout "
+                      f"{layout.name!r} is partly applied and its journal is in {args.state_dir}: run `gpu-agent mig "
+                      f"apply --layout {layout.name}` again to finish (`gpu-agent mig plan --layout {layout.name}` "
+                      "shows what is left)", file=sys.stderr)
+                return 128 + err.signal
             except OSError as err:
                 raise CliError(f"cannot keep the apply journal in {args.state_dir}: {err.strerror}") from err
             if args.json:
@@ -309,20 +341,22 @@ def cmd_mig(args: argparse.Namespace) -> int:
             else:
                 print(f"layout {layout.name!r} cannot be applied:\n{err}")
             return EXIT_ERROR
+        steps = planned_steps(ops, gpus, plan)
+        done = not steps
         if args.json:
             print(json.dumps({
-                "layout": layout.name, "feasible": True, "applied": plan.noop, "untouched": list(plan.untouched),
-                "selects_nothing": plan.selects_nothing,
+                "layout": layout.name, "feasible": True, "applied": done, "untouched": list(plan.untouched),
+                "steps": steps, "selects_nothing": plan.selects_nothing,
                 "gpus": [{"gpu": p.index, "mode": p.mode.value,
                           "destroy": [vars(i) for i in p.destroy], "create": [vars(i) for i in p.create],
                           "target": [vars(i) for i in p.target]} for p in plan.gpus],
             }, indent=2))
         elif args.action == "plan":
-            print(plan.describe())
+            print("\n".join(steps) or plan.describe())
         else:
-            print(plan.selects_nothing or f"layout {layout.name!r} is applied" if plan.noop else
-                  f"layout {layout.name!r} is not applied; to do:\n{plan.describe()}")
-        return 0 if args.action == "plan" or plan.noop else EXIT_ERROR
+            print(plan.selects_nothing or f"layout {layout.name!r} is applied" if done else
+                  f"layout {layout.name!r} is not applied; to do:\n" + "\n".join(steps))
+        return 0 if args.action == "plan" or done else EXIT_ERROR
     finally:
         backend.shutdown()
 

@@ -85,7 +85,48 @@ def plan_layout(ops: MigOps, gpus: int, layout: MigLayout) -> NodePlan:
     return plan_node(layout, planning_view(read_node(ops, gpus)))
 
 
-def _apply_gpu(ops: MigOps, plan: GpuPlan, pending: bool, step: Step) -> None:
+def _repairs(ops: MigOps, gpus: int, plan: NodePlan) -> tuple[set[int], set[int]]:
+    """The selected GPUs an interrupted apply left half done: GPU instances without a compute instance, and a
+    MIG mode change still pending."""
+    states = read_node(ops, gpus)
+    selected = {p.index for p in plan.gpus}
+    orphans = {s.index for s in states if s.index in selected and any(i.compute_instances == 0 for i in s.instances)}
+    pending = {s.index for s in states if s.index in selected and s.mig_pending}
+    return orphans, pending
+
+
+class _DryRun:
+    """MigOps that reads the hardware and changes nothing: apply's steps, written out, for `mig plan`."""
+
+    def __init__(self, ops: MigOps) -> None:
+        self._ops = ops
+
+    def state(self, index: int) -> MigGpuState:
+        return self._ops.state(index)
+
+    def destroy(self, index: int, start: int) -> None: ...
+
+    def set_mode(self, index: int, enabled: bool) -> None: ...
+
+    def create(self, index: int, profile: str, start: int) -> None: ...
+
+    def ensure_compute_instances(self, index: int) -> None: ...
+
+
+def planned_steps(ops: MigOps, gpus: int, plan: NodePlan) -> list[str]:
+    """Every step apply would take, in its order: the repairs an interrupted apply left (which the plan's
+    actions alone do not show), then each GPU's changes."""
+    orphans, pending = _repairs(ops, gpus, plan)
+    steps: list[str] = []
+    for gpu_plan in plan.gpus:
+        if not gpu_plan.noop or gpu_plan.index in orphans | pending:
+            _apply_gpu(_DryRun(ops), gpu_plan, gpu_plan.index in pending, gpu_plan.index in orphans, steps.append)
+    return steps
+
+
+def _apply_gpu(ops: MigOps | _DryRun, plan: GpuPlan, pending: bool, orphaned: bool, step: Step) -> None:
+    if orphaned:
+        step(f"GPU {plan.index}: complete GPU instances left without a compute instance")
     for instance in plan.destroy:
         step(f"GPU {plan.index}: destroy {instance}")
         ops.destroy(plan.index, instance.start)
@@ -111,10 +152,7 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
         plan = plan_layout(ops, gpus, layout)
     except PlanError as err:
         return ApplyResult(layout.name, "failed", f"layout {layout.name!r} cannot be applied: {err}")
-    states = read_node(ops, gpus)
-    selected = {p.index for p in plan.gpus}
-    orphans = {s.index for s in states if s.index in selected and any(i.compute_instances == 0 for i in s.instances)}
-    pending = {s.index for s in states if s.index in selected and s.mig_pending}
+    orphans, pending = _repairs(ops, gpus, plan)
     if plan.noop and not orphans and not pending:
         if journal:
             journal.end()
@@ -132,10 +170,8 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
     for gpu_plan in plan.gpus:
         if gpu_plan.noop and gpu_plan.index not in orphans | pending:
             continue
-        if gpu_plan.index in orphans:
-            counted(f"GPU {gpu_plan.index}: complete GPU instances left without a compute instance")
         try:
-            _apply_gpu(ops, gpu_plan, gpu_plan.index in pending, counted)
+            _apply_gpu(ops, gpu_plan, gpu_plan.index in pending, gpu_plan.index in orphans, counted)
         except MigResetRequired as err:
             waiting.append(str(err))
         except pynvml.NVMLError as err:

@@ -112,6 +112,15 @@ def mig_assert(start: Start, state_file: Path) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def mig_plan(start: Start, state_file: Path) -> tuple[int, str]:
+    """`gpu-agent mig plan`, run in this process (it changes nothing): exit status and output."""
+    out = io.StringIO()
+    with _STDOUT, contextlib.redirect_stdout(out):
+        code = cli.main(["mig", "plan", "--nvml", f"mock:{start.node}", "--mock-state", str(state_file),
+                         "--layout", LAYOUT])
+    return code, out.getvalue()
+
+
 @dataclass(frozen=True)
 class Run:
     n: int
@@ -137,8 +146,6 @@ def crash_and_recover(start: Start, work: Path, n: int) -> Run:
         _, ops = opened(start.node, state_file)
         remaining = plan_layout(ops, start.gpus, load_layouts().layout(LAYOUT))
         orphaned = {i for i in range(start.gpus) if any(g.compute_instances == 0 for g in ops.state(i).instances)}
-        first = mig("apply", start, state_file, state_dir)
-        assert first.returncode == 0, (n, first.stdout, first.stderr)
         # The second run does exactly what the crash left undone: the planned changes, and for a GPU instance
         # the crash left without its compute instance, the repair (named before that GPU's changes).
         expected = []
@@ -146,6 +153,10 @@ def crash_and_recover(start: Start, work: Path, n: int) -> Run:
             if gpu_plan.index in orphaned:
                 expected.append(f"GPU {gpu_plan.index}: complete GPU instances left without a compute instance")
             expected += gpu_plan.actions()
+        # `mig plan` shows the same steps, repairs included, before anything runs.
+        assert mig_plan(start, state_file) == (0, "\n".join(expected or ["no changes"]) + "\n"), n
+        first = mig("apply", start, state_file, state_dir)
+        assert first.returncode == 0, (n, first.stdout, first.stderr)
         assert first.stdout.splitlines()[:-1] == expected, n
     assert first.stdout.splitlines()[-1].startswith(f"success: layout {LAYOUT!r} "), (n, first.stdout)
 

@@ -313,3 +313,34 @@ async def test_a_task_failing_with_a_one_line_error_logs_that_line_not_a_traceba
     assert (record.levelname, record.exc_info, record.getMessage()) == (
         "ERROR", None, "task config-reload failed: cfg.yaml: flags.migStrategy: got 'split'; expected 'none', "
                        "'single' or 'mixed'; restarting in 0.5s")
+
+
+async def test_sigterm_in_the_middle_of_mig_apply_stops_between_changes_and_says_how_to_finish(tmp_path: Path,
+                                                                                               ) -> None:
+    state, state_dir = tmp_path / "nvml.json", tmp_path / "state"
+    args = ["--nvml", "mock:hgx-16-nvswitch", "--mock-state", str(state), "--layout", "all-1g.10gb"]
+    total = gpu_agent("mig", "plan", *args).stdout.splitlines()
+    proc = await asyncio.create_subprocess_exec(*AGENT, "mig", "apply", *args, "--state-dir", str(state_dir),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = await asyncio.wait_for(proc.stdout.readline(), 30)
+    proc.send_signal(signal.SIGSTOP)  # hold it where it is, so the SIGTERM lands mid-apply
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    printed = [first.decode().rstrip("\n"), *out.decode().splitlines()]
+    assert proc.returncode == 143
+    taken = len(printed)
+    assert 1 <= taken < len(total) and printed == total[:taken]
+    assert err.decode().splitlines() == [
+        f"gpu-agent mig: interrupted by SIGTERM after {taken} change(s) (the last: {printed[-1]}); layout "
+        f"'all-1g.10gb' is partly applied and its journal is in {state_dir}: run `gpu-agent mig apply --layout "
+        "all-1g.10gb` again to finish (`gpu-agent mig plan --layout all-1g.10gb` shows what is left)"]
+    assert (state_dir / "mig-journal.json").exists()
+    # What plan shows is what the next apply does, and that apply finishes the layout.
+    left = gpu_agent("mig", "plan", *args).stdout.splitlines()
+    finished = gpu_agent("mig", "apply", *args, "--state-dir", str(state_dir))
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.splitlines()[:-1] == left
+    assert len(left) >= len(total) - taken
+    assert gpu_agent("mig", "assert", *args).returncode == 0

@@ -197,6 +197,7 @@ def test_plan_json(tmp_path: Path) -> None:
         "feasible": True,
         "applied": False,
         "untouched": [],
+        "steps": H200_BALANCED_STEPS,
         "selects_nothing": None,
         "gpus": [{
             "gpu": 0,
@@ -239,6 +240,7 @@ def test_assert_json_after_apply(tmp_path: Path) -> None:
         "feasible": True,
         "applied": True,
         "untouched": [],
+        "steps": [],
         "selects_nothing": None,
         "gpus": [{"gpu": 0, "mode": "none", "destroy": [], "create": [], "target": H200_BALANCED}],
     }
