@@ -5,6 +5,7 @@ process needs to join its GPU's daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,10 +38,8 @@ def roots() -> Iterator[tuple[Path, Path]]:
         for line in log.read_text().splitlines():
             if line.startswith("started pid="):
                 pid = int(line.split()[1].removeprefix("pid="))
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     shutil.rmtree(top, ignore_errors=True)
 
 
