@@ -1,10 +1,14 @@
-"""The DevicePlugin service for one resource: lists, allocates and prefers devices from the newest NodeState."""
+"""The DevicePlugin service for one resource: lists, allocates and prefers devices from the newest NodeState.
+
+Its handlers run on the threads of grpc's synchronous server (see server.py); they only read the newest NodeState
+(immutable), and ListAndWatch waits for newer ones with StateBus.wait_newer_blocking.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -19,6 +23,10 @@ log = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_ID_LENGTH = 63
+MAX_STREAMS = 4
+"""ListAndWatch streams one resource serves at once. The kubelet holds one per registration; each open stream
+holds one of the server's threads while it waits, so the server's pool has this many threads more than it needs
+for calls, and a stream beyond the limit is refused rather than left to starve Allocate of threads."""
 
 PlanOf = Callable[[NodeState], ResourcePlan]
 """The resources of a NodeState (a cached inventory.plan)."""
@@ -80,15 +88,22 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._bus = bus
         self._plan_of = plan_of
         self._prefer_for = prefer_for
-        self._closing = asyncio.Event()
+        self._generation = _Generation()
+        self._streams = 0
+        self._lock = threading.Lock()
 
     def open(self) -> None:
         """Streams opened from now on run until close()."""
-        self._closing = asyncio.Event()
+        self._generation = _Generation()
 
     def close(self) -> None:
         """End every open ListAndWatch stream (the server is about to stop)."""
-        self._closing.set()
+        self._generation.closed = True
+        self._bus.wake()
+
+    @property
+    def open_streams(self) -> int:
+        return self._streams
 
     def _resource(self, state: NodeState) -> Resource:
         return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
@@ -96,27 +111,48 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     def devices(self) -> tuple[Device, ...]:
         return self._resource(self._bus.current).devices
 
-    async def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
     ) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    async def ListAndWatch(
-        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+    def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
+        with self._lock:
+            full = self._streams >= MAX_STREAMS
+            self._streams += not full
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"ListAndWatch for {self.resource} already has {MAX_STREAMS} open streams")
+        try:
+            yield from self._list_and_watch(context)
+        finally:
+            with self._lock:
+                self._streams -= 1
+
+    def _list_and_watch(self, context: grpc.ServicerContext) -> Iterator[api_pb2.ListAndWatchResponse]:
+        generation = self._generation
+        left = threading.Event()
+
+        def leave() -> None:
+            left.set()
+            self._bus.wake()
+
+        if not context.add_callback(leave):  # called when the RPC ends: a client that goes away ends the wait
+            return
+
+        def ended() -> bool:
+            return generation.closed or left.is_set()
+
         state = self._bus.current
         sent = self._resource(state).devices
         yield to_proto(sent)
-        closing = self._closing
-        while not closing.is_set():
-            newer = asyncio.ensure_future(self._bus.wait_newer(state.version))
-            closed = asyncio.ensure_future(closing.wait())
-            await asyncio.wait({newer, closed}, return_when=asyncio.FIRST_COMPLETED)
-            closed.cancel()
-            if not newer.done():
-                newer.cancel()
-                return  # the server is stopping: end the stream so shutdown need not wait for it
-            state = newer.result()
+        while True:
+            newer = self._bus.wait_newer_blocking(state.version, ended)
+            if newer is None:
+                return  # the server is stopping or the client left: end the stream, free its thread
+            state = newer
             devices = self._resource(state).devices
             if devices != sent:
                 sent = devices
@@ -124,8 +160,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                          self.resource, len(devices), sum(d.healthy for d in devices))
                 yield to_proto(devices)
 
-    async def GetPreferredAllocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
         resource = self._resource(self._bus.current)
         devices = resource.devices
@@ -138,6 +174,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 must = [d.id for d in lookup(self.resource, devices, creq.must_include_deviceIDs,
                                              need_healthy=False)]
                 size = creq.allocation_size
+                outside = [i for i in must if i not in set(available)]
+                if outside:
+                    # The kubelet offers every must-include device among the available ones.
+                    raise RequestError(f"must-include device {outside[0]} of {self.resource} is not among the "
+                                       "available devices")
                 pool = set(available) | set(must)
                 if size < 1 or size > len(pool) or len(must) > size:
                     raise RequestError(
@@ -147,11 +188,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 chosen = prefer(devices, available, must, size)
                 responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         except ValueError as err:  # RequestError, or the allocator's AllocationError
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    async def Allocate(
-        self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
     ) -> api_pb2.AllocateResponse:
         state = self._bus.current
         resource = self._resource(state)
@@ -172,10 +213,17 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         except RequestError as err:
             if self._metrics:
                 self._metrics.allocate_errors.labels(resource=self.resource).inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         return api_pb2.AllocateResponse(container_responses=responses)
 
-    async def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
+
+
+class _Generation:
+    """The streams of one serve: close() ends them all."""
+
+    def __init__(self) -> None:
+        self.closed = False
