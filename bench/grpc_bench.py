@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -25,6 +27,7 @@ from typing import Any
 import grpc
 
 from agent.config import AgentConfig
+from agent.deviceplugin.server import SERVER_THREADS, ServerThreads
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.nvml.fake import FakeNvml
@@ -476,6 +479,206 @@ async def agent_process(
     }
 
 
+# --- Allocate against the floor: the agent beside a minimal Go server and an empty Python server -----------
+
+GO_BENCH = Path(os.environ.get("TESTBIN_DIR", ROOT / ".cache" / "testbin")) / "bench-grpc"
+GO_BENCH_BUILD = ROOT / "bench" / "goclient" / "build.sh"
+FLOOR_SERVERS = ("agent", "go", "python")
+"""The order the servers take their turns in, in every round and for each method."""
+FLOOR_METHODS = ("allocate", "preferred")
+FLOOR_WARMUP = 200
+"""Untimed calls the Go client makes on its fresh connection before each timed series."""
+SOCKET_WAIT_S = 30.0
+
+
+def build_go_bench() -> Path:
+    """bench-grpc (bench/goclient) built with the test rig's Go into .cache/testbin; seconds when cached."""
+    result = subprocess.run(["nice", "-n", "10", "bash", str(GO_BENCH_BUILD)], stdout=sys.stderr, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{GO_BENCH_BUILD} failed with exit code {result.returncode}")
+    return GO_BENCH
+
+
+class EmptyServicer(api_pb2_grpc.DevicePluginServicer):
+    """The DevicePlugin service doing nothing a Python server could skip: fixed answers, like the Go floor."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self._allocate = api_pb2.AllocateResponse(container_responses=[
+            api_pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)})])
+        self._devices = api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=i, health="Healthy") for i in ids])
+
+    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+        return api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+        yield self._devices
+
+    def Allocate(self, request: Any, context: Any) -> Any:
+        return self._allocate
+
+    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreferredAllocationResponse(container_responses=[
+            api_pb2.ContainerPreferredAllocationResponse(deviceIDs=c.available_deviceIDs[:c.allocation_size])
+            for c in request.container_requests])
+
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreStartContainerResponse()
+
+
+def serve_empty(socket: Path, ids: Sequence[str]) -> None:
+    """The empty Python server until SIGTERM: the agent's server model (grpc's synchronous server on the same
+    fixed thread set, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
+    difference."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    threads = ServerThreads(SERVER_THREADS, "empty")
+    server = grpc.server(threads)
+    api_pb2_grpc.add_DevicePluginServicer_to_server(EmptyServicer(ids), server)
+    if not server.add_insecure_port(f"unix://{socket}"):
+        raise SystemExit(f"cannot listen on {socket}")
+    server.start()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0).wait()
+    threads.shutdown()
+
+
+def _busy_seconds() -> float:
+    """CPU time the whole machine has spent busy, all CPUs together (the first line of /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+async def _wait_socket(path: Path, proc: asyncio.subprocess.Process, what: str) -> None:
+    deadline = time.monotonic() + SOCKET_WAIT_S
+    while not path.is_socket():
+        if proc.returncode is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not serve {path} (exit code {proc.returncode})")
+        await asyncio.sleep(0.05)
+
+
+async def _series(go: Path, socket: Path, pid: int, method: str, calls: int, seed: int,
+                  ids: Sequence[str]) -> dict[str, Any]:
+    """One Go client process: FLOOR_WARMUP untimed calls then `calls` timed ones on one connection; the
+    server's CPU time (utime + stime of its process) and the machine's load around the whole run."""
+    load_start = os.getloadavg()[0]
+    busy, own, server_cpu, wall = _busy_seconds(), time.process_time(), cpu_seconds(pid), time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        str(go), "call", "-socket", str(socket), "-method", method, "-calls", str(calls),
+        "-warmup", str(FLOOR_WARMUP), "-seed", str(seed), "-ids", ",".join(ids),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    wall = time.monotonic() - wall
+    server_cpu = cpu_seconds(pid) - server_cpu
+    own = time.process_time() - own
+    busy = _busy_seconds() - busy
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench-grpc call {method} on {socket.name} exited {proc.returncode}: "
+                           f"{err.decode(errors='replace').strip()}")
+    result = json.loads(out)
+    ms = [ns / 1e6 for ns in result["latency_ns"]]
+    served = calls + FLOOR_WARMUP
+    return {
+        "latency_ms": ms,
+        "server_cpu_ms_per_call": round(1000 * server_cpu / served, 4),
+        "client_cpu_ms_per_call": round(1000 * result["cpu_s"] / served, 4),
+        "wall_s": round(wall, 3),
+        "load_average_start": round(load_start, 2),
+        "load_average_end": round(os.getloadavg()[0], 2),
+        # Everything else the machine ran meanwhile, in CPUs: busy time less server, client and this process.
+        "other_cpus": round(max(0.0, busy - server_cpu - result["cpu_s"] - own) / wall, 3),
+    }
+
+
+async def allocate_floor(preset: str, rounds: int, calls: int, rng: random.Random) -> dict[str, Any]:
+    """Allocate and GetPreferredAllocation as the kubelet calls them, from a Go client process (bench-grpc),
+    against three servers taking turns in each round: the agent (`gpu-agent run` on the fake NVML, registered
+    with a stand-in kubelet whose ListAndWatch stream stays open), the Go floor (bench-grpc serve: grpc-go,
+    fixed answers) and the empty Python server (serve_empty). In a round every server gets the same request
+    sequence (one seed per round and method)."""
+    go = build_go_bench()
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    log_path = directory / "agent.log"
+    command = [*agent_command(), "run", "--nvml", f"mock:{preset}", "--kubelet-dir", str(directory), "--no-kube",
+               "--metrics-port", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        with open(log_path, "wb") as log:
+            procs["agent"] = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log, env=env)
+        try:
+            await kubelet.wait_for({RESOURCE}, 60)
+        except TimeoutError:
+            raise RuntimeError(f"the agent did not register within 60 s:\n{log_path.read_text()}") from None
+        ids = [d.ID for d in kubelet.plugins[RESOURCE].devices]
+        sockets = {"agent": directory / kubelet.plugins[RESOURCE].endpoint,
+                   "go": directory / "go-floor.sock", "python": directory / "python-empty.sock"}
+        procs["go"] = await asyncio.create_subprocess_exec(
+            str(go), "serve", "-socket", str(sockets["go"]), "-ids", ",".join(ids))
+        procs["python"] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.grpc_bench", "serve-empty", str(sockets["python"]), ",".join(ids),
+            cwd=ROOT, env=env)
+        for name in ("go", "python"):
+            await _wait_socket(sockets[name], procs[name], f"the {name} server")
+        await asyncio.sleep(SETTLE_S)
+        series: list[dict[str, Any]] = []
+        for round_ in range(1, rounds + 1):
+            for method in FLOOR_METHODS:
+                seed = rng.getrandbits(63)
+                for server in FLOOR_SERVERS:
+                    figures = await _series(go, sockets[server], procs[server].pid, method, calls, seed, ids)
+                    series.append({"round": round_, "method": method, "server": server, "seed": seed, **figures})
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = {name: await asyncio.wait_for(proc.wait(), 15) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await kubelet.stop()
+        log_text = log_path.read_text(errors="replace")
+        shutil.rmtree(directory, ignore_errors=True)
+    if any(codes.values()) or "Traceback" in log_text:
+        raise RuntimeError(f"a server exited with {codes}; the agent's log:\n{log_text}")
+    return _floor_figures(preset, len(ids), rounds, calls, series, " ".join(
+        ["gpu-agent", "run", "--nvml", f"mock:{preset}", "--kubelet-dir", "DIR", "--no-kube", "--metrics-port", "0"]))
+
+
+def _floor_figures(preset: str, devices: int, rounds: int, calls: int, series: list[dict[str, Any]],
+                   command: str) -> dict[str, Any]:
+    """Latency pooled over the rounds per server and method, the ratios to the floors, and each series."""
+    pooled: dict[str, dict[str, Any]] = {}
+    ratios: dict[str, Any] = {}
+    for method in FLOOR_METHODS:
+        pooled[method] = {}
+        for server in FLOOR_SERVERS:
+            mine = [s for s in series if s["method"] == method and s["server"] == server]
+            pooled[method][server] = {
+                **latency([ms for s in mine for ms in s["latency_ms"]]),
+                "server_cpu_ms_per_call": round(sum(s["server_cpu_ms_per_call"] for s in mine) / len(mine), 4),
+            }
+        by_round = []
+        for round_ in range(1, rounds + 1):
+            p = {s["server"]: latency(s["latency_ms"]) for s in series
+                 if s["method"] == method and s["round"] == round_}
+            by_round.append({"round": round_,
+                             "p99_vs_go": round(p["agent"]["p99_ms"] / p["go"]["p99_ms"], 3),
+                             "p50_vs_python": round(p["agent"]["p50_ms"] / p["python"]["p50_ms"], 3)})
+        figures = pooled[method]
+        ratios[method] = {
+            "p99_vs_go": round(figures["agent"]["p99_ms"] / figures["go"]["p99_ms"], 3),
+            "p50_vs_python": round(figures["agent"]["p50_ms"] / figures["python"]["p50_ms"], 3),
+            "by_round": by_round,
+        }
+    for s in series:
+        s.update(latency(s.pop("latency_ms")))
+    return {"preset": preset, "devices": devices, "rounds": rounds, "calls": calls, "warmup": FLOOR_WARMUP,
+            "servers": list(FLOOR_SERVERS), "agent_command": command, "server_threads": SERVER_THREADS,
+            "pooled": pooled, "ratios": ratios, "series": series}
+
+
 @contextlib.contextmanager
 def quiet_logs(path: Path) -> Iterator[None]:
     """Send the in-process agent's logs (INFO and up, as the DaemonSet logs) to a file instead of the console."""
@@ -491,3 +694,9 @@ def quiet_logs(path: Path) -> Iterator[None]:
         root.handlers[:], level = saved
         root.setLevel(level)
         handler.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "serve-empty":
+        raise SystemExit("usage: python -m bench.grpc_bench serve-empty SOCKET ID,ID,...")
+    serve_empty(Path(sys.argv[2]), sys.argv[3].split(","))

@@ -29,7 +29,7 @@ def _budget(row: dict[str, Any]) -> str:
         return "—"
     if budget == "report":
         return "report"
-    op = {"<": "<", "==": "="}[budget["op"]]
+    op = {"<": "<", "<=": "≤", "==": "="}[budget["op"]]
     return f"{op} {budget['limit']:g} {row['unit']}"
 
 
@@ -321,6 +321,71 @@ def _missed(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _floor(results: dict[str, Any]) -> list[str]:
+    """The Allocate floor section: the agent, the Go floor and the empty Python server in the same run."""
+    floor = results["details"].get("floor")
+    if floor is None:
+        return []
+    names = {"agent": "agent", "go": "Go floor", "python": "empty Python server"}
+    calls = {"allocate": "Allocate", "preferred": "GetPreferredAllocation"}
+    lines = [
+        "## Allocate against the floor",
+        "",
+        "Pooled over the rounds, in ms; CPU is the server process's user + system time per call.",
+        "",
+        "| call | server | calls | p50 | p99 | max | server CPU per call |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, servers in floor["pooled"].items():
+        for server, r in servers.items():
+            lines.append(f"| {calls[method]} | {names[server]} | {r['calls']} | {r['p50_ms']:.3f} | "
+                         f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {r['server_cpu_ms_per_call']:.3f} |")
+    lines += ["", "Ratios of the agent to the floors, pooled and round by round:", "",
+              "| call | agent p99 / Go floor p99 | agent p50 / empty Python p50 | by round (p99 ratio, p50 ratio) |",
+              "|---|---:|---:|---|"]
+    for method, r in floor["ratios"].items():
+        rounds = "; ".join(f"{x['round']}: {x['p99_vs_go']:.2f}, {x['p50_vs_python']:.2f}" for x in r["by_round"])
+        lines.append(f"| {calls[method]} | {r['p99_vs_go']:.2f} | {r['p50_vs_python']:.2f} | {rounds} |")
+    lines += ["", "Every series in the order it ran; load is the 1-minute load average at its start and end, other "
+              "CPUs what the rest of the machine used meanwhile (busy time in `/proc/stat` less the server's, "
+              "the client's and the benchmark's own, divided by the series' wall time).", "",
+              "| round | call | server | p50 | p99 | max | server CPU | client CPU | load | other CPUs | wall |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for x in floor["series"]:
+        lines.append(f"| {x['round']} | {calls[x['method']]} | {names[x['server']]} | {x['p50_ms']:.3f} | "
+                     f"{x['p99_ms']:.3f} | {x['max_ms']:.3f} | {x['server_cpu_ms_per_call']:.3f} | "
+                     f"{x['client_cpu_ms_per_call']:.3f} | {x['load_average_start']} to {x['load_average_end']} | "
+                     f"{x['other_cpus']:.2f} | {x['wall_s']:.1f} s |")
+    lines += [
+        "",
+        f"How: `{floor['agent_command']}` runs as its own process, registered with a stand-in kubelet in the "
+        "benchmark process that keeps its ListAndWatch stream open. Beside it run the Go floor (`bench-grpc "
+        "serve` from `bench/goclient`: the same DevicePlugin service on grpc-go, answering Allocate with one "
+        "fixed response and GetPreferredAllocation with the first devices offered) and the empty Python server "
+        "(`python -m bench.grpc_bench serve-empty`: grpc's synchronous server on the agent's own thread set, "
+        f"{floor['server_threads']} threads, with fixed answers), each on a unix socket in the same directory. "
+        "The client is `bench-grpc call`, a separate Go process that dials and calls as the kubelet's device "
+        "manager does (grpc-go, the kubelet's `k8s.io/kubelet` API package, `grpc.DialContext` with an insecure "
+        "unix dialer and authority `localhost`, one container request per call on `context.Background()`), "
+        f"built by `bench/goclient/build.sh` with the test rig's Go. Each series is one client process on a "
+        f"fresh connection: {floor['warmup']} untimed calls, then {floor['calls']} timed ones, back to back. "
+        f"The servers take turns (agent, Go floor, empty Python) for Allocate and then for "
+        f"GetPreferredAllocation, {floor['rounds']} rounds; in a round all three get the same request sequence "
+        f"(one seed per round and call). Allocate names a random 1..{floor['devices']} of the "
+        f"{floor['devices']} GPUs of `{floor['preset']}`; GetPreferredAllocation draws the size from "
+        f"1..{floor['devices']}, a random available set of at least that size, and must-include devices in "
+        "every fourth request of size 2 or more. Latency is the client's wall time around each call; p50 and "
+        "p99 are nearest-rank. Server CPU is the growth of utime + stime in `/proc/<pid>/stat` (what getrusage "
+        "counts for that process, all threads) around the client's run divided by its calls, warm-up included; "
+        "for the agent it also holds whatever its health monitor and telemetry did meanwhile. Budgets: agent "
+        "Allocate p99 at most 2x the Go floor's, p50 at most 1.3x the empty Python server's, at most 0.5 ms of "
+        "agent CPU per Allocate; the GetPreferredAllocation ratios are reported without a budget (the agent "
+        "computes an optimal set there, the floors do not).",
+        "",
+    ]
+    return lines
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     failed = sum(row["verdict"] == "fail" for row in results["figures"])
@@ -342,6 +407,7 @@ def render(results: dict[str, Any]) -> str:
         *_figures(results),
         "",
         *_missed(results),
+        *_floor(results),
         "## GetPreferredAllocation by request size",
         "",
         f"p50 / p99 in ms, {results['plan']['preferred_calls_per_size']} calls per size.",

@@ -60,6 +60,13 @@ RSS_MB = 100.0
 IDLE_CPU_PERCENT = 1.0
 TELEMETRY_PASS_CPU_MS = 50.0
 SCRAPE_P99_MS = 25.0
+FLOOR_PRESET = "dgx-h100"
+FLOOR_P99_RATIO = 2.0
+"""The agent's Allocate p99 at most this many times the Go floor's, measured in the same run."""
+FLOOR_P50_RATIO = 1.3
+"""The agent's Allocate p50 at most this many times the empty Python server's."""
+FLOOR_CPU_MS = 0.5
+"""Server CPU per Allocate call."""
 MB = 1_000_000
 
 
@@ -77,6 +84,8 @@ class Plan:
     steady_state_s: float
     telemetry_passes: int = 50
     telemetry_scrapes: int = 500
+    floor_rounds: int = 3
+    floor_calls: int = 3000
 
 
 FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50, process_allocations=10_000,
@@ -84,7 +93,8 @@ FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50
             taint_injections=20, steady_state_s=300.0)
 QUICK = Plan(preferred_calls_per_size=10, allocate_calls=200, xid_injections=16, process_allocations=2000,
              idle_s=10.0, many_preferred_calls=100, many_allocate_calls=200, mig_apply_runs=3,
-             taint_injections=5, steady_state_s=30.0, telemetry_passes=10, telemetry_scrapes=50)
+             taint_injections=5, steady_state_s=30.0, telemetry_passes=10, telemetry_scrapes=50,
+             floor_calls=300)
 
 
 def figure(
@@ -97,7 +107,7 @@ def figure(
         return {"id": key, "figure": label, "value": value, "unit": unit, "budget": "report", "verdict": "report"}
     if op is None or limit is None:
         return {"id": key, "figure": label, "value": value, "unit": unit, "budget": None, "verdict": "info"}
-    met = {"<": value < limit, "==": value == limit}[op]
+    met = {"<": value < limit, "<=": value <= limit, "==": value == limit}[op]
     return {
         "id": key, "figure": label, "value": value, "unit": unit,
         "budget": {"op": op, "limit": limit}, "verdict": "pass" if met else "fail",
@@ -272,6 +282,31 @@ async def measure(plan: Plan, seed: int, workdir: Path) -> tuple[list[dict[str, 
           f"ms, agent {apply['agent_p50_ms']} ms over {apply['runs']} runs ({apply['nvml_calls_per_apply']} NVML "
           "calls each)", flush=True)
 
+    print(f"Allocate against the floor: {plan.floor_rounds} rounds of {plan.floor_calls} calls per server and "
+          "method ...", flush=True)
+    with section("floor"):
+        floor = await grpc_bench.allocate_floor(FLOOR_PRESET, plan.floor_rounds, plan.floor_calls,
+                                                _rng(seed, "floor"))
+    details["floor"] = floor
+    alloc, pref = floor["ratios"]["allocate"], floor["ratios"]["preferred"]
+    agent_cpu = floor["pooled"]["allocate"]["agent"]["server_cpu_ms_per_call"]
+    where = f"{floor['devices']} GPUs ({FLOOR_PRESET}), Go client, {floor['rounds']} x {floor['calls']} calls"
+    figures += [
+        figure("floor.allocate.p99_ratio", f"Allocate p99, agent / Go floor, {where}", alloc["p99_vs_go"], "x",
+               "<=", FLOOR_P99_RATIO),
+        figure("floor.allocate.p50_ratio", f"Allocate p50, agent / empty Python server, {where}",
+               alloc["p50_vs_python"], "x", "<=", FLOOR_P50_RATIO),
+        figure("floor.allocate.cpu", f"Agent CPU per Allocate call (its process's utime + stime), {where}",
+               agent_cpu, "ms", "<=", FLOOR_CPU_MS),
+        figure("floor.preferred.p99_ratio", f"GetPreferredAllocation p99, agent / Go floor, {where}",
+               pref["p99_vs_go"], "x", "report"),
+        figure("floor.preferred.p50_ratio", f"GetPreferredAllocation p50, agent / empty Python server, {where}",
+               pref["p50_vs_python"], "x", "report"),
+    ]
+    print(f"Allocate against the floor: agent p99 {alloc['p99_vs_go']}x the Go floor's, p50 "
+          f"{alloc['p50_vs_python']}x the empty Python server's, {agent_cpu} ms agent CPU per call; "
+          f"GetPreferredAllocation {pref['p99_vs_go']}x and {pref['p50_vs_python']}x", flush=True)
+
     print(f"agent process: {plan.process_allocations} Allocate calls, then {plan.idle_s:.0f} s idle ...", flush=True)
     with section("process"):
         process = await grpc_bench.agent_process(
@@ -401,6 +436,7 @@ def main() -> int:
             "inject_phase_s": grpc_bench.INJECT_PHASE_S,
             "settle_s": grpc_bench.SETTLE_S,
             "event_wait_ms": kube_bench.EVENT_WAIT_MS,
+            "floor_warmup_calls": grpc_bench.FLOOR_WARMUP,
         },
         "machine": facts,
         "figures": figures,

@@ -1,0 +1,272 @@
+// Command bench-grpc is the Go side of the Allocate floor benchmark (allocate_floor in bench/grpc_bench.py):
+//
+//	bench-grpc call  -socket PATH -method allocate|preferred -calls N -warmup W -seed S -ids ID,ID,...
+//	bench-grpc serve -socket PATH -ids ID,ID,...
+//
+// "call" is a client that dials a device plugin's unix socket and calls it the way the kubelet's device
+// manager does (pkg/kubelet/cm/devicemanager: grpc.DialContext with an insecure unix dialer and authority
+// "localhost", then one container request per call on context.Background()), timing every call; it prints
+// one JSON object with each call's latency in nanoseconds. Requests are drawn from the seed before the first
+// call, so every server in a run gets the same sequence.
+//
+// "serve" is the floor a plugin written in Go has: the same DevicePlugin service on grpc-go, answering
+// Allocate with one fixed response and GetPreferredAllocation with the first devices offered.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+)
+
+func main() {
+	if len(os.Args) < 2 {
+		fail("usage: bench-grpc call|serve [flags]")
+	}
+	var err error
+	switch os.Args[1] {
+	case "call":
+		err = call(os.Args[2:])
+	case "serve":
+		err = serve(os.Args[2:])
+	default:
+		err = fmt.Errorf("unknown command %q: call or serve", os.Args[1])
+	}
+	if err != nil {
+		fail(err.Error())
+	}
+}
+
+func fail(message string) {
+	fmt.Fprintln(os.Stderr, "bench-grpc:", message)
+	os.Exit(2)
+}
+
+func splitIDs(ids string) ([]string, error) {
+	list := strings.Split(ids, ",")
+	if ids == "" || len(list) == 0 {
+		return nil, fmt.Errorf("-ids names no device")
+	}
+	return list, nil
+}
+
+// --- the client ---------------------------------------------------------------------------------------------
+
+type result struct {
+	Method    string  `json:"method"`
+	Calls     int     `json:"calls"`
+	Warmup    int     `json:"warmup"`
+	LatencyNs []int64 `json:"latency_ns"`
+	WallS     float64 `json:"wall_s"`
+	CPUS      float64 `json:"cpu_s"` // this process's user + system time over its whole run (getrusage)
+}
+
+func call(args []string) error {
+	fs := flag.NewFlagSet("call", flag.ContinueOnError)
+	socket := fs.String("socket", "", "the plugin's unix socket")
+	method := fs.String("method", "allocate", "allocate or preferred")
+	calls := fs.Int("calls", 3000, "timed calls")
+	warmup := fs.Int("warmup", 200, "untimed calls first")
+	seed := fs.Uint64("seed", 1, "seed of the request draws")
+	idList := fs.String("ids", "", "the resource's device IDs, comma-separated")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ids, err := splitIDs(*idList)
+	if err != nil {
+		return err
+	}
+	if *socket == "" || *calls < 1 || *warmup < 0 {
+		return fmt.Errorf("-socket and -calls >= 1 are required")
+	}
+	client, conn, err := dial(*socket)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+
+	rng := rand.New(rand.NewPCG(*seed, 0x5eed))
+	total := *warmup + *calls
+	var invoke func(i int) error
+	switch *method {
+	case "allocate":
+		requests := make([]*pluginapi.AllocateRequest, total)
+		for i := range requests {
+			requests[i] = &pluginapi.AllocateRequest{
+				ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: sample(rng, ids, 1+rng.IntN(len(ids)))}},
+			}
+		}
+		invoke = func(i int) error {
+			_, err := client.Allocate(context.Background(), requests[i])
+			return err
+		}
+	case "preferred":
+		requests := make([]*pluginapi.PreferredAllocationRequest, total)
+		for i := range requests {
+			requests[i] = preferredRequest(rng, ids, i)
+		}
+		invoke = func(i int) error {
+			_, err := client.GetPreferredAllocation(context.Background(), requests[i])
+			return err
+		}
+	default:
+		return fmt.Errorf("unknown -method %q: allocate or preferred", *method)
+	}
+
+	for i := 0; i < *warmup; i++ {
+		if err := invoke(i); err != nil {
+			return fmt.Errorf("warm-up call %d: %v", i, err)
+		}
+	}
+	out := result{Method: *method, Calls: *calls, Warmup: *warmup, LatencyNs: make([]int64, *calls)}
+	began := time.Now()
+	for i := 0; i < *calls; i++ {
+		start := time.Now()
+		if err := invoke(*warmup + i); err != nil {
+			return fmt.Errorf("call %d: %v", i, err)
+		}
+		out.LatencyNs[i] = time.Since(start).Nanoseconds()
+	}
+	out.WallS = time.Since(began).Seconds()
+	var usage syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &usage); err == nil {
+		out.CPUS = time.Duration(usage.Utime.Nano() + usage.Stime.Nano()).Seconds()
+	}
+	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+// dial connects as the kubelet's device manager does (plugin/v1beta1/client.go in k8s.io/kubernetes).
+func dial(socket string) (pluginapi.DevicePluginClient, *grpc.ClientConn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := grpc.DialContext(ctx, socket, //nolint:staticcheck // what the kubelet calls
+		grpc.WithAuthority("localhost"),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithBlock(), //nolint:staticcheck // what the kubelet passes
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", addr)
+		}),
+	)
+	if err != nil {
+		return nil, nil, fmt.Errorf("cannot dial %s: %v", socket, err)
+	}
+	return pluginapi.NewDevicePluginClient(conn), conn, nil
+}
+
+// sample returns n distinct IDs in random order.
+func sample(rng *rand.Rand, ids []string, n int) []string {
+	perm := rng.Perm(len(ids))
+	out := make([]string, n)
+	for i := range out {
+		out[i] = ids[perm[i]]
+	}
+	return out
+}
+
+// preferredRequest draws a size from 1..N and an available set of at least that size; every fourth request
+// of size 2 or more also names one or two must-include devices among the available ones (as the kubelet does
+// for devices a container already holds).
+func preferredRequest(rng *rand.Rand, ids []string, trial int) *pluginapi.PreferredAllocationRequest {
+	size := 1 + rng.IntN(len(ids))
+	available := sample(rng, ids, size+rng.IntN(len(ids)-size+1))
+	var must []string
+	if size >= 2 && trial%4 == 3 {
+		must = append(must, available[:1+rng.IntN(min(2, size-1))]...)
+	}
+	return &pluginapi.PreferredAllocationRequest{
+		ContainerRequests: []*pluginapi.ContainerPreferredAllocationRequest{{
+			AvailableDeviceIDs:   available,
+			MustIncludeDeviceIDs: must,
+			AllocationSize:       int32(size),
+		}},
+	}
+}
+
+// --- the floor server ---------------------------------------------------------------------------------------
+
+type floor struct {
+	pluginapi.UnimplementedDevicePluginServer
+	devices  []*pluginapi.Device
+	allocate *pluginapi.AllocateResponse
+}
+
+func (f *floor) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
+	return &pluginapi.DevicePluginOptions{GetPreferredAllocationAvailable: true}, nil
+}
+
+func (f *floor) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
+	if err := stream.Send(&pluginapi.ListAndWatchResponse{Devices: f.devices}); err != nil {
+		return err
+	}
+	<-stream.Context().Done()
+	return nil
+}
+
+func (f *floor) Allocate(context.Context, *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	return f.allocate, nil
+}
+
+func (f *floor) GetPreferredAllocation(
+	_ context.Context, req *pluginapi.PreferredAllocationRequest,
+) (*pluginapi.PreferredAllocationResponse, error) {
+	out := &pluginapi.PreferredAllocationResponse{}
+	for _, c := range req.ContainerRequests {
+		n := min(int(c.AllocationSize), len(c.AvailableDeviceIDs))
+		out.ContainerResponses = append(out.ContainerResponses,
+			&pluginapi.ContainerPreferredAllocationResponse{DeviceIDs: c.AvailableDeviceIDs[:n]})
+	}
+	return out, nil
+}
+
+func (f *floor) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+	return &pluginapi.PreStartContainerResponse{}, nil
+}
+
+func serve(args []string) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	socket := fs.String("socket", "", "unix socket to serve on")
+	idList := fs.String("ids", "", "device IDs to list, comma-separated")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ids, err := splitIDs(*idList)
+	if err != nil {
+		return err
+	}
+	if *socket == "" {
+		return fmt.Errorf("-socket is required")
+	}
+	f := &floor{allocate: &pluginapi.AllocateResponse{ContainerResponses: []*pluginapi.ContainerAllocateResponse{{
+		Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(ids, ",")},
+	}}}}
+	for _, id := range ids {
+		f.devices = append(f.devices, &pluginapi.Device{ID: id, Health: pluginapi.Healthy})
+	}
+	_ = os.Remove(*socket)
+	ln, err := net.Listen("unix", *socket)
+	if err != nil {
+		return err
+	}
+	server := grpc.NewServer()
+	pluginapi.RegisterDevicePluginServer(server, f)
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
+	go func() {
+		<-signals
+		server.Stop()
+	}()
+	err = server.Serve(ln) // returns nil after Stop; the listener removes its socket when it closes
+	return err
+}
