@@ -188,7 +188,7 @@ allocatable_gpus() {
     [[ $(kubectl_ get node "$node_name" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}') == "$gpus" ]]
 }
 
-trap 'rc=$?; ((rc == 0)) || clog "bring-up failed; the logs are in $logs_dir (kept in $cache_dir/last-logs after cluster-down)"' EXIT
+trap 'rc=$?; ((rc == 0)) || clog "bring-up failed; the logs are in $logs_dir (kept in $cache_dir/last-logs after cluster-down); make cluster-down removes what was started"' EXIT
 stage "control plane, containerd and kubelet to Node Ready" bring_up
 write_kustomization
 if [[ ${CLUSTER_DEPLOY:-1} == 0 ]]; then
