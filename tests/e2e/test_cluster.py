@@ -85,24 +85,30 @@ def test_agent_pod_is_ready_and_the_kubelet_advertises_eight_gpus(cluster: Clust
 # --- pods on the GPUs ---------------------------------------------------------------------------------------------
 
 
-def test_a_two_gpu_pod_gets_the_preferred_pair_and_too_many_gpus_stay_pending(cluster: Cluster) -> None:
+def test_gpu_pods_get_the_preferred_gpus_and_too_many_gpus_stay_pending(cluster: Cluster) -> None:
     uuids = gpu_uuids()
     try:
         cluster.apply(gpu_pod("two-gpus", 2))
         wait_running(cluster, "two-gpus")
         # GPUs 0 and 1: one NUMA node and one PCIe switch (every pair has the same NVSwitch bandwidth on a DGX).
         assert visible_devices(cluster, "two-gpus") == {uuids[0], uuids[1]}
+        # Without a preference the kubelet takes the first IDs in sort order: GPU 0 and GPU 5, across sockets.
+        # Three more fit only on the other NUMA node, which still has all four of its GPUs.
+        cluster.apply(gpu_pod("three-gpus", 3))
+        wait_running(cluster, "three-gpus")
+        three = visible_devices(cluster, "three-gpus")
+        assert len(three) == 3 and three <= set(uuids[4:8]), three
 
-        cluster.apply(gpu_pod("seven-gpus", 7))
+        cluster.apply(gpu_pod("four-gpus", 4))
         def unschedulable() -> str:
-            pod = cluster.get("pod", "-n", "default", "seven-gpus")
+            pod = cluster.get("pod", "-n", "default", "four-gpus")
             scheduled = {c["type"]: c for c in pod["status"].get("conditions", [])}.get("PodScheduled", {})
             return scheduled.get("reason") == "Unschedulable" and scheduled.get("message", "")
-        message = eventually(unschedulable, 60, "seven-gpus to be unschedulable")
+        message = eventually(unschedulable, 60, "four-gpus (three are free) to be unschedulable")
         assert "Insufficient nvidia.com/gpu" in message
-        assert cluster.get("pod", "-n", "default", "seven-gpus")["status"]["phase"] == "Pending"
+        assert cluster.get("pod", "-n", "default", "four-gpus")["status"]["phase"] == "Pending"
     finally:
-        cluster.delete_pods("two-gpus", "seven-gpus")
+        cluster.delete_pods("two-gpus", "three-gpus", "four-gpus")
 
 
 # --- faults -------------------------------------------------------------------------------------------------------
