@@ -5,7 +5,8 @@
 - GPU pod created -> the agent answered Allocate (its gpu_agent_allocations_total counter, read from /metrics).
 
 Needs root and no cluster already running; brings one up with the agent's image built from the Dockerfile and
-takes it down afterwards. Run by bench/run.py; alone: python bench/cluster_bench.py [--runs N].
+takes it down afterwards. Run by bench/run.py; alone: python bench/cluster_bench.py [--runs N] [--out FILE]
+(default bench/out/cluster.json).
 """
 
 from __future__ import annotations
@@ -165,13 +166,18 @@ def figures(details: dict[str, Any], figure: Callable[..., dict[str, Any]]) -> l
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "cluster.json",
+                        help="where the figures are written (default: %(default)s)")
     args = parser.parse_args()
     try:
         details = measure(args.runs)
     except (RuntimeError, subprocess.CalledProcessError) as err:
         print(f"cluster_bench: {err}", file=sys.stderr)
         return 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(details, indent=2) + "\n")
     print(json.dumps(details, indent=2))
+    print(f"written to {args.out}")
     return 0
 
 
