@@ -359,6 +359,25 @@ class MigSettings(_Strict):
     busy_wait_seconds: float = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
 
 
+DRA_DRIVER_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
+
+
+class DraSettings(_Strict):
+    enabled: bool = False
+    """DRA mode: publish the GPUs in a ResourceSlice (resource.k8s.io/v1) instead of registering the
+    nvidia.com/gpu device plugin."""
+    driver_name: str = Field(default="gpu.gpu-node-agent.io", alias="driverName")
+    """The DRA driver name (a DNS subdomain): the slice's driver, the attributes' domain, the DeviceClass's."""
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver_name(cls, value: str) -> str:
+        if len(value) > 63 or not re.fullmatch(DRA_DRIVER_NAME, value):
+            raise ValueError(f"{value!r} is not a DRA driver name (a lower-case DNS subdomain of at most 63 "
+                             "characters with at least one dot, e.g. gpu.example.com)")
+        return value
+
+
 NO_EFFECT: dict[str, str] = {
     "flags.useNodeFeatureAPI": "labels are written to the Node object itself; no NodeFeature objects are made",
     "flags.plugin.nvidiaCTKPath": "the agent writes no CDI specs; the runtime uses the node's own CDI specs",
@@ -379,6 +398,7 @@ class AgentConfig(_Strict):
     health: HealthSettings = HealthSettings()
     mig: MigSettings = MigSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    dra: DraSettings = DraSettings()
     _without_effect: tuple[str, ...] = PrivateAttr(default=())
 
     @property

@@ -1,0 +1,1 @@
+"""The agent as a Kubernetes DRA driver: ResourceSlices for the node's GPUs."""

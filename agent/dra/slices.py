@@ -1,0 +1,184 @@
+"""Pure: NodeState -> the ResourceSlice (resource.k8s.io/v1) that publishes the node's whole GPUs to DRA.
+
+One pool per node, one slice in it. Per GPU a device named gpu-<index> with the attributes NVIDIA's DRA driver
+publishes under the same names (in this driver's domain), the standard PCI attributes, the NUMA node and the
+NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`. Unhealthy GPUs,
+GPUs whose MIG layout is changing and MIG-enabled GPUs (their MIG devices are not published yet) are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agent.nvml.catalog import MODELS
+from agent.state import NodeState
+from agent.topology.model import Topology
+from agent.topology.prefer import topology_of
+
+STANDARD_PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+STANDARD_PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+
+ARCHITECTURE_NAMES = {
+    "kepler": "Kepler", "maxwell": "Maxwell", "pascal": "Pascal", "volta": "Volta", "turing": "Turing",
+    "ampere": "Ampere", "ada": "Ada Lovelace", "hopper": "Hopper", "blackwell": "Blackwell",
+}
+"""The architecture as NVIDIA's DRA driver writes it (go-nvlib's GetArchitectureAsString)."""
+
+PcieRootLookup = Callable[[str], str | None]
+
+
+class GpuInfo(Protocol):
+    """What the slice needs of one GPU of the inventory."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def pci_bus_id(self) -> str: ...
+    @property
+    def minor(self) -> int: ...
+    @property
+    def memory_mib(self) -> int: ...
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def compute_capability(self) -> tuple[int, int]: ...
+    @property
+    def numa_node(self) -> int | None: ...
+    @property
+    def mig_enabled(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Cliques:
+    """NVLink cliques by GPU index, each identified by its lowest GPU index."""
+
+    pair: Mapping[int, int]
+    """GPUs that are each other's one strongest NVLink peer (NVLink bridges, hybrid meshes)."""
+    group: Mapping[int, int]
+    """GPUs connected by NVLink, directly or through other GPUs (a connected component of two or more)."""
+    domain: Mapping[int, int]
+    """A group in which every two GPUs are linked directly: an NVSwitch fabric, a bridged pair, a fully
+    meshed board. Two GPUs with one domain id talk over NVLink without a hop through a third GPU."""
+
+
+def nvlink_cliques(topology: Topology) -> Cliques:
+    n = topology.gpu_count
+    links = topology.nvlink
+    peers = [[b for b in range(n) if links[a][b] > 0] for a in range(n)]
+    group: dict[int, int] = {}
+    for start in range(n):
+        if start in group or not peers[start]:
+            continue
+        stack, members = [start], {start}
+        while stack:
+            for b in peers[stack.pop()]:
+                if b not in members:
+                    members.add(b)
+                    stack.append(b)
+        for g in members:
+            group[g] = start
+    domain: dict[int, int] = {}
+    for head in set(group.values()):
+        component = [g for g in range(n) if group.get(g) == head]
+        if all(links[a][b] > 0 for a in component for b in component if a != b):
+            for g in component:
+                domain[g] = head
+
+    def strongest(a: int) -> int | None:
+        if not peers[a]:
+            return None
+        top = max(links[a][b] for b in peers[a])
+        best = [b for b in peers[a] if links[a][b] == top]
+        return best[0] if len(best) == 1 else None
+
+    pair: dict[int, int] = {}
+    for a in range(n):
+        peer = strongest(a)
+        if peer is not None and strongest(peer) == a:
+            pair[a] = min(a, peer)
+    return Cliques(pair, group, domain)
+
+
+def pci_bus_id(bus_id: str) -> str:
+    """NVML's bus id ("00000000:18:00.0") in the form resource.kubernetes.io/pciBusID takes ("0000:18:00.0")."""
+    bdf = bus_id.lower()
+    domain, sep, rest = bdf.partition(":")
+    if sep and len(domain) == 8:
+        bdf = domain[4:] + ":" + rest
+    return bdf
+
+
+def semver(text: str) -> str:
+    """A version NVML reports ("570.133.20", "12.8", "535.104.05") as semantic version 2.0 text ("12.8.0",
+    "535.104.5"), as NVIDIA's driver publishes it."""
+    parts = [str(int(p)) for p in text.split(".")[:3]]
+    return ".".join(parts + ["0"] * (3 - len(parts)))
+
+
+def _multiprocessors(gpu: GpuInfo) -> int | None:
+    model = next((m for m in MODELS.values() if m.nvml_name == gpu.name), None)
+    return model.multiprocessor_count if model is not None else None
+
+
+def device_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.index}"
+
+
+def published_gpus(state: NodeState) -> list[GpuInfo]:
+    """The whole GPUs the slice carries: healthy, not draining, not MIG-enabled."""
+    return [g for g in state.inventory.gpus
+            if state.gpu_health(g.uuid).healthy and g.uuid not in state.draining and not g.mig_enabled]
+
+
+def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
+    driver = state.inventory.driver
+    major, minor = gpu.compute_capability
+    attributes: dict[str, dict[str, Any]] = {
+        "type": {"string": "gpu"},
+        "uuid": {"string": gpu.uuid},
+        "index": {"int": gpu.index},
+        "minor": {"int": gpu.minor},
+        "productName": {"string": gpu.name},
+        "architecture": {"string": ARCHITECTURE_NAMES.get(gpu.architecture, gpu.architecture.capitalize())},
+        "cudaComputeCapability": {"version": f"{major}.{minor}.0"},
+        "driverVersion": {"version": semver(driver.version)},
+        "cudaDriverVersion": {"version": semver(driver.cuda)},
+        STANDARD_PCI_BUS_ID: {"string": pci_bus_id(gpu.pci_bus_id)},
+    }
+    root = pcie_root(gpu.pci_bus_id)
+    if root is not None:
+        attributes[STANDARD_PCIE_ROOT] = {"string": root}
+    if gpu.numa_node is not None:
+        attributes["numaNode"] = {"int": gpu.numa_node}
+    for name, ids in (("nvlinkPair", cliques.pair), ("nvlinkGroup", cliques.group),
+                      ("nvlinkDomain", cliques.domain)):
+        if gpu.index in ids:
+            attributes[name] = {"int": ids[gpu.index]}
+    capacity: dict[str, dict[str, str]] = {"memory": {"value": f"{gpu.memory_mib}Mi"}}
+    sms = _multiprocessors(gpu)
+    if sms is not None:
+        capacity["multiprocessors"] = {"value": str(sms)}
+    return {"name": device_name(gpu), "attributes": attributes, "capacity": capacity}
+
+
+def slice_name(node: str, driver: str) -> str:
+    """The slice's object name: the node and the driver, a DNS subdomain of at most 253 characters."""
+    return f"{node}-{driver}"[:253].rstrip("-.")
+
+
+def slice_spec(state: NodeState, node: str, driver: str, generation: int,
+               pcie_root: PcieRootLookup = lambda bus_id: None) -> dict[str, Any]:
+    """The spec of the node's one ResourceSlice for `state`, at pool generation `generation`."""
+    cliques = nvlink_cliques(topology_of(state.inventory))
+    return {
+        "driver": driver,
+        "nodeName": node,
+        "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+        "devices": [gpu_device(g, state, cliques, pcie_root) for g in published_gpus(state)],
+    }

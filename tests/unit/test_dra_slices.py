@@ -1,0 +1,121 @@
+"""The ResourceSlice the agent publishes in DRA mode, computed from the fake NVML's presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError, parse_config
+from agent.dra.pci import sysfs_pcie_root
+from agent.dra.slices import semver, slice_name, slice_spec
+from agent.nvml.backend import fake_backend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.state import DeviceHealth, NodeState
+from tests.plugin_harness import carve_mig
+
+DRIVER = "gpu.gpu-node-agent.io"
+LOOSE = str(Path(__file__).resolve().parents[1] / "fixtures" / "dra" / "one-pair-two-loose.yaml")
+
+
+def node(preset: str, mig: dict[int, list[tuple[str, int]]] | None = None) -> NodeState:
+    fake = FakeNvml(load_node(preset))
+    for gpu, instances in (mig or {}).items():
+        carve_mig(fake, gpu, instances)
+    backend = fake_backend(fake)
+    backend.init()
+    return NodeState(version=1, inventory=backend.inventory())
+
+
+def by_name(spec: dict[str, object]) -> dict[str, dict[str, object]]:
+    return {d["name"]: d for d in spec["devices"]}  # type: ignore[attr-defined, index]
+
+
+def attrs(spec: dict[str, object], attribute: str) -> dict[str, object]:
+    return {name: d["attributes"].get(attribute) for name, d in by_name(spec).items()}  # type: ignore[attr-defined]
+
+
+def test_dgx_h100_gpu_device_carries_nvidias_attributes_and_the_nvswitch_domain() -> None:
+    spec = slice_spec(node("dgx-h100"), "gpu-node-1", DRIVER, 3)
+    assert spec["driver"] == DRIVER and spec["nodeName"] == "gpu-node-1"
+    assert spec["pool"] == {"name": "gpu-node-1", "generation": 3, "resourceSliceCount": 1}
+    assert list(by_name(spec)) == [f"gpu-{i}" for i in range(8)]
+    gpu0 = by_name(spec)["gpu-0"]
+    assert gpu0["attributes"] == {
+        "type": {"string": "gpu"},
+        "uuid": {"string": "GPU-120cc87c-bc27-3aa8-3344-265acaed1ada"},
+        "index": {"int": 0},
+        "minor": {"int": 0},
+        "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "architecture": {"string": "Hopper"},
+        "cudaComputeCapability": {"version": "9.0.0"},
+        "driverVersion": {"version": "570.133.20"},
+        "cudaDriverVersion": {"version": "12.8.0"},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:18:00.0"},
+        "numaNode": {"int": 0},
+        "nvlinkGroup": {"int": 0},
+        "nvlinkDomain": {"int": 0},
+    }
+    assert gpu0["capacity"] == {"memory": {"value": "81559Mi"}, "multiprocessors": {"value": "132"}}
+    assert attrs(spec, "numaNode") == {f"gpu-{i}": {"int": 0 if i < 4 else 1} for i in range(8)}
+    # Every GPU reaches every other through the NVSwitches with 18 links: no GPU has one strongest peer.
+    assert set(attrs(spec, "nvlinkPair").values()) == {None}
+
+
+def test_bridged_pairs_are_pairs_groups_and_domains_of_their_own() -> None:
+    spec = slice_spec(node("a100-pcie-nvlink-pairs"), "n", DRIVER, 1)
+    expected = {"gpu-0": {"int": 0}, "gpu-1": {"int": 0}, "gpu-2": {"int": 2}, "gpu-3": {"int": 2}}
+    for attribute in ("nvlinkPair", "nvlinkGroup", "nvlinkDomain"):
+        assert attrs(spec, attribute) == expected
+    assert attrs(spec, "resource.kubernetes.io/pciBusID") == {
+        "gpu-0": {"string": "0000:18:00.0"}, "gpu-1": {"string": "0000:2a:00.0"},
+        "gpu-2": {"string": "0000:3a:00.0"}, "gpu-3": {"string": "0000:5d:00.0"}}
+    assert by_name(spec)["gpu-0"]["capacity"] == {"memory": {"value": "81920Mi"}, "multiprocessors": {"value": "108"}}
+
+
+def test_gpus_without_nvlink_have_no_clique_attributes() -> None:
+    spec = slice_spec(node(LOOSE), "n", DRIVER, 1)
+    assert attrs(spec, "nvlinkPair") == {"gpu-0": {"int": 0}, "gpu-1": {"int": 0}, "gpu-2": None, "gpu-3": None}
+    assert attrs(spec, "nvlinkDomain") == {"gpu-0": {"int": 0}, "gpu-1": {"int": 0}, "gpu-2": None, "gpu-3": None}
+    spec = slice_spec(node("pcie-l40s-4"), "n", DRIVER, 1)
+    assert {a for d in by_name(spec).values() for a in d["attributes"] if a.startswith("nvlink")} == set()
+
+
+def test_unhealthy_draining_and_mig_enabled_gpus_are_withdrawn() -> None:
+    state = node("dgx-h100", mig={5: [("1g.10gb", 0)]})
+    state = state.evolve(health={state.inventory.gpus[2].uuid: DeviceHealth(False, "XID 79")},
+                         draining=frozenset({state.inventory.gpus[6].uuid}))
+    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == ["gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-7"]
+
+
+def test_pcie_root_from_sysfs(tmp_path: Path) -> None:
+    device = tmp_path / "devices" / "pci0000:17" / "0000:17:01.0" / "0000:18:00.0"
+    device.mkdir(parents=True)
+    (tmp_path / "devices" / "platform").mkdir()
+    bus = tmp_path / "bus" / "pci" / "devices"
+    bus.mkdir(parents=True)
+    (bus / "0000:18:00.0").symlink_to(device)
+    (bus / "0000:2a:00.0").symlink_to(tmp_path / "devices" / "platform")
+    assert sysfs_pcie_root("00000000:18:00.0", tmp_path) == "pci0000:17"
+    assert sysfs_pcie_root("00000000:2A:00.0", tmp_path) is None  # not below a PCI root
+    assert sysfs_pcie_root("00000000:99:00.0", tmp_path) is None  # unknown to sysfs
+    spec = slice_spec(node("a100-pcie-nvlink-pairs"), "n", DRIVER, 1, lambda b: sysfs_pcie_root(b, tmp_path))
+    assert attrs(spec, "resource.kubernetes.io/pcieRoot") == {
+        "gpu-0": {"string": "pci0000:17"}, "gpu-1": None, "gpu-2": None, "gpu-3": None}
+
+
+def test_versions_and_names() -> None:
+    assert semver("535.104.05") == "535.104.5"
+    assert semver("12.8") == "12.8.0"
+    assert slice_name("gpu-node-1", DRIVER) == "gpu-node-1-gpu.gpu-node-agent.io"
+
+
+def test_config_section() -> None:
+    config = parse_config("version: v1\ndra: {enabled: true, driverName: gpu.example.com}\n")
+    assert (config.dra.enabled, config.dra.driver_name) == (True, "gpu.example.com")
+    assert parse_config("version: v1\n").dra.enabled is False
+    with pytest.raises(ConfigError) as err:
+        parse_config("version: v1\ndra: {driverName: GPU}\n", "cfg")
+    assert str(err.value) == ("cfg: dra.driverName: 'GPU' is not a DRA driver name (a lower-case DNS subdomain of "
+                              "at most 63 characters with at least one dot, e.g. gpu.example.com)")
