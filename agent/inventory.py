@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.config import AgentConfig, ReplicatedResource, ResourcePattern
-from agent.nvml.backend import GpuInfo, MigDeviceInfo
+from agent.nvml.records import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -6,7 +6,7 @@ from collections import Counter
 
 from agent.config import AgentConfig, ReplicatedResource
 from agent.inventory import GPU_RESOURCE, mig_resource, sanitise
-from agent.nvml.backend import GpuInfo, MigDeviceInfo
+from agent.nvml.records import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
 OWN_PREFIX = "gpu-node-agent.io/"

@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from agent.inventory import Device
-from agent.nvml.backend import HealthReading
+from agent.nvml.records import HealthReading
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)

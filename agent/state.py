@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from agent.config import DEFAULT_CONFIG, AgentConfig
-from agent.nvml.backend import NodeInventory
+from agent.nvml.records import NodeInventory
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from agent.config import AgentConfig
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.inventory import Device, Resource
-from agent.nvml.backend import NodeInventory
+from agent.nvml.records import NodeInventory
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DEVICE_MOUNT_ROOT = "/var/run/nvidia-container-devices"

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
-from agent.nvml.backend import HealthReading, NvmlBackend
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.records import HealthReading
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.config import Action, HealthSettings
-from agent.nvml.backend import HealthReading
+from agent.nvml.records import HealthReading
 
 SEVERITY: dict[Action, int] = {"ignore": 0, "warn": 1, "unhealthy": 2, "node-fatal": 3}
 

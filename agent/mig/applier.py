@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import pynvml
-
 from agent.mig.layout import MigLayout
 from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
-from agent.nvml.backend import MigGpuState, MigOps, MigResetRequired
+from agent.nvml.backend import MigCallError, MigGpuState, MigOps, MigResetRequired
 
 JOURNAL = "mig-journal.json"
 
@@ -174,7 +172,7 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
             _apply_gpu(ops, gpu_plan, gpu_plan.index in pending, gpu_plan.index in orphans, counted)
         except MigResetRequired as err:
             waiting.append(str(err))
-        except pynvml.NVMLError as err:
+        except MigCallError as err:
             # The journal stays: the next apply (or the next start) goes on from the hardware as it is now.
             at = done[-1] if done else f"GPU {gpu_plan.index}"
             return ApplyResult(layout.name, "failed", f"NVML error at '{at}': {err}", plan)

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from agent.mig.layout import MigLayout, double_selection, parse_profile_name
-from agent.nvml.backend import MigDeviceInfo
 from agent.nvml.catalog import GpuModel, MigProfile, Placement
+from agent.nvml.records import MigDeviceInfo
 
 
 def display_name(nvml_name: str) -> str:

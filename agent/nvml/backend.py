@@ -1,17 +1,21 @@
-"""Typed records out of NVML calls; one implementation for the real library and the fake."""
+"""Reads the node through NVML into the records of agent/nvml/records.py; one implementation for the real library
+and the fake. NVML's own errors stay inside agent/nvml/: what leaves is NvmlUnavailable, MigCallError or a
+record."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pynvml
 
 from agent.nvml.catalog import MODELS, MigProfile, Placement
+from agent.nvml.records import DriverInfo, GpuInfo, HealthReading, MigDeviceInfo, NodeInventory, PairLink, XidEvent
 
 PCIE_LEVELS: dict[int, str] = {
     pynvml.NVML_TOPOLOGY_INTERNAL: "single",
@@ -39,104 +43,12 @@ WHOLE_GPU = 0xFFFFFFFF
 
 NumaLookup = Callable[[str], int | None]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used: no driver, no library, or initialisation failed."""
-
-
-@dataclass(frozen=True)
-class DriverInfo:
-    version: str
-    cuda: str
-    """CUDA driver API version as major.minor, e.g. "12.8"."""
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    minor: int
-    memory_mib: int
-    architecture: str
-    compute_capability: tuple[int, int]
-    numa_node: int | None
-    mig_capable: bool
-    mig_enabled: bool
-    mig_pending: bool
-    pci_class: int | None = None
-    """The PCI class code (0x030200 a 3D controller, a GPU in compute mode; 0x030000 VGA, display mode)."""
-    virtualization_mode: int = 0
-    """NVML_GPU_VIRTUALIZATION_MODE_*: 0 bare metal, 1 passthrough, 2 a vGPU in a guest."""
-
-
-@dataclass(frozen=True)
-class MigDeviceInfo:
-    uuid: str
-    parent_index: int
-    gpu_instance_id: int
-    compute_instance_id: int
-    profile: str
-    """GPU-instance profile name as NVML reports it, without the "MIG " prefix, e.g. "1g.10gb"."""
-    memory_mib: int
-    placement_start: int
-    placement_size: int
-    multiprocessors: int = 0
-    gi_slices: int = 0
-    ci_slices: int = 0
-    copy_engines: int = 0
-    decoders: int = 0
-    encoders: int = 0
-    jpegs: int = 0
-    ofas: int = 0
-    attribute_memory_mib: int = 0
-    """nvmlDeviceGetAttributes: what GPU feature discovery labels a MIG profile with."""
-
-
-@dataclass(frozen=True)
-class PairLink:
-    a: int
-    b: int
-    nvlink: int
-    pcie: str
-
-
-@dataclass(frozen=True)
-class NodeInventory:
-    """Everything about the node's GPUs that changes only when devices change."""
-
-    driver: DriverInfo
-    gpus: tuple[GpuInfo, ...]
-    links: tuple[PairLink, ...]
-    mig_devices: tuple[MigDeviceInfo, ...] = ()
-
-
-@dataclass(frozen=True)
-class HealthReading:
-    """One periodic sample of a GPU's health signals; None where the GPU does not support the query."""
-
-    uuid: str
-    lost: bool = False
-    ecc_uncorrected_volatile: int | None = None
-    retired_pages_pending: bool | None = None
-    remapped_rows_pending: bool | None = None
-    remapped_rows_failure: bool | None = None
-    clock_event_reasons: int | None = None
-    temperature_c: int | None = None
-    power_w: float | None = None
-    memory_used_mib: int | None = None
-    utilization_pct: int | None = None
-    unreadable: str | None = None
-    """Set when NVML failed the sample for a reason that says nothing about the GPU (e.g. NVML_ERROR_UNKNOWN)."""
-
-
-@dataclass(frozen=True)
-class XidEvent:
-    gpu_uuid: str
-    xid: int
-    gpu_instance_id: int | None = None
-    compute_instance_id: int | None = None
 
 
 def sysfs_numa_node(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> int | None:
@@ -497,6 +409,23 @@ class MigResetRequired(RuntimeError):
     """The MIG mode change is pending until the GPU is reset."""
 
 
+class MigCallError(RuntimeError):
+    """An NVML call of a MIG read or change failed; the message is NVML's (e.g. "Insufficient Resources")."""
+
+
+def _mig_call(method: Callable[P, R]) -> Callable[P, R]:
+    """MigOps' public methods: an NVML error leaves as MigCallError."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(*args, **kwargs)
+        except pynvml.NVMLError as err:
+            raise MigCallError(str(err)) from err
+
+    return call
+
+
 _CI_FULL_PROFILE = {1: "1", 2: "2", 3: "3", 4: "4", 6: "6", 7: "7", 8: "8"}
 
 
@@ -505,7 +434,10 @@ def _ci_profile_index(slices: int) -> int:
 
 
 class MigOps:
-    """MIG reads and writes through the backend's library; methods run on the NVML thread."""
+    """MIG reads and writes through the backend's library; methods run on the NVML thread.
+
+    A failing NVML call raises MigCallError with NVML's message, so callers need no pynvml.
+    """
 
     def __init__(self, backend: NvmlBackend) -> None:
         self._b = backend
@@ -546,6 +478,7 @@ class MigOps:
             ))
         return tuple(profiles)
 
+    @_mig_call
     def state(self, index: int) -> MigGpuState:
         lib = self.lib
         h = self._handle(index)
@@ -597,6 +530,7 @@ class MigOps:
                     return gi, profile
         raise LookupError(f"GPU {index} has no GPU instance at slice {start}")
 
+    @_mig_call
     def destroy(self, index: int, start: int) -> None:
         """Destroy the GPU instance at `start` and its compute instances."""
         gi, profile = self._find(index, start)
@@ -604,6 +538,7 @@ class MigOps:
             self.lib.nvmlComputeInstanceDestroy(ci)
         self.lib.nvmlGpuInstanceDestroy(gi)
 
+    @_mig_call
     def set_mode(self, index: int, enabled: bool) -> None:
         """Switch MIG on or off; MigResetRequired when the change waits for a GPU reset."""
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
@@ -615,6 +550,7 @@ class MigOps:
                 f"GPU {index}: MIG {'enable' if enabled else 'disable'} is pending (the GPU is in use or needs a reset)"
             )
 
+    @_mig_call
     def create(self, index: int, profile_name: str, start: int) -> None:
         """Create a GPU instance of `profile_name` at `start`, with one compute instance spanning it."""
         h = self._handle(index)
@@ -628,6 +564,7 @@ class MigOps:
             info = self.lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, _ci_profile_index(profile.slice_count), 0)
             self.lib.nvmlGpuInstanceCreateComputeInstance(gi, int(info.id))
 
+    @_mig_call
     def ensure_compute_instances(self, index: int) -> None:
         """Give every GPU instance a compute instance (one may be missing after an interrupted apply)."""
         h = self._handle(index)

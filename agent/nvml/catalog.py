@@ -8,9 +8,26 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-import pynvml
-
 MIB = 1024 * 1024
+
+# nvml.h's values for the enums the tables use, written out so that the MIG planner and the DRA slices read
+# the tables without loading pynvml (tests/unit/test_boundaries.py holds them to pynvml's).
+NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE = 0
+NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE = 1
+NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE = 2
+NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE = 3
+NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE = 4
+NVML_GPU_INSTANCE_PROFILE_1_SLICE = 0
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1 = 7
+NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 = 9
+NVML_GPU_INSTANCE_PROFILE_2_SLICE = 1
+NVML_GPU_INSTANCE_PROFILE_3_SLICE = 2
+NVML_GPU_INSTANCE_PROFILE_4_SLICE = 3
+NVML_GPU_INSTANCE_PROFILE_7_SLICE = 4
+NVML_DEVICE_ARCH_AMPERE = 7
+NVML_DEVICE_ARCH_HOPPER = 9
+NVML_DEVICE_ARCH_ADA = 8
+NVML_DEVICE_ARCH_TURING = 6
 
 
 class Placement(NamedTuple):
@@ -114,22 +131,22 @@ _THREE = _placements((0, 4), 4)
 _FOUR = _placements((0,), 4)
 _SEVEN = _placements((0,), 8)
 
-_CI_1 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, 0)
-_CI_2 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE, 1)
-_CI_3 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, 2)
-_CI_4 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, 3)
-_CI_7 = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, 4)
+_CI_1 = (NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, 0)
+_CI_2 = (NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE, 1)
+_CI_3 = (NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, 2)
+_CI_4 = (NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, 3)
+_CI_7 = (NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, 4)
 
 # (index constant, id, G, max instances, placements, CI profile (index, id)) for the full-size MIG GPUs.
 # Ids and placements are the same on A100, H100 and H200 (docs/reference/mig-profiles.md).
 _SHAPES: dict[str, tuple[int, int, int, int, tuple[Placement, ...], tuple[int, int]]] = {
-    "1g": (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE, 19, 1, 7, _ONE, _CI_1),
-    "1g+me": (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, 1, 1, _ONE, _CI_1),
-    "1g-double": (pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2, 15, 1, 4, _ONE_DOUBLE, _CI_1),
-    "2g": (pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE, 14, 2, 3, _TWO, _CI_2),
-    "3g": (pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE, 9, 3, 2, _THREE, _CI_3),
-    "4g": (pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE, 5, 4, 1, _FOUR, _CI_4),
-    "7g": (pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE, 0, 7, 1, _SEVEN, _CI_7),
+    "1g": (NVML_GPU_INSTANCE_PROFILE_1_SLICE, 19, 1, 7, _ONE, _CI_1),
+    "1g+me": (NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, 20, 1, 1, _ONE, _CI_1),
+    "1g-double": (NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2, 15, 1, 4, _ONE_DOUBLE, _CI_1),
+    "2g": (NVML_GPU_INSTANCE_PROFILE_2_SLICE, 14, 2, 3, _TWO, _CI_2),
+    "3g": (NVML_GPU_INSTANCE_PROFILE_3_SLICE, 9, 3, 2, _THREE, _CI_3),
+    "4g": (NVML_GPU_INSTANCE_PROFILE_4_SLICE, 5, 4, 1, _FOUR, _CI_4),
+    "7g": (NVML_GPU_INSTANCE_PROFILE_7_SLICE, 0, 7, 1, _SEVEN, _CI_7),
 }
 
 
@@ -263,7 +280,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="A100-SXM4-40GB",
         nvml_name="NVIDIA A100-SXM4-40GB",
         memory_mib=40960,
-        architecture=pynvml.NVML_DEVICE_ARCH_AMPERE,
+        architecture=NVML_DEVICE_ARCH_AMPERE,
         arch_name="ampere",
         compute_capability=(8, 0),
         family="ampere",
@@ -276,7 +293,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="A100-SXM4-80GB",
         nvml_name="NVIDIA A100-SXM4-80GB",
         memory_mib=81920,
-        architecture=pynvml.NVML_DEVICE_ARCH_AMPERE,
+        architecture=NVML_DEVICE_ARCH_AMPERE,
         arch_name="ampere",
         compute_capability=(8, 0),
         family="ampere",
@@ -289,7 +306,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="H100-SXM5-80GB",
         nvml_name="NVIDIA H100 80GB HBM3",
         memory_mib=81559,
-        architecture=pynvml.NVML_DEVICE_ARCH_HOPPER,
+        architecture=NVML_DEVICE_ARCH_HOPPER,
         arch_name="hopper",
         compute_capability=(9, 0),
         family="hopper",
@@ -302,7 +319,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="H200-141GB",
         nvml_name="NVIDIA H200",
         memory_mib=143771,
-        architecture=pynvml.NVML_DEVICE_ARCH_HOPPER,
+        architecture=NVML_DEVICE_ARCH_HOPPER,
         arch_name="hopper",
         compute_capability=(9, 0),
         family="hopper",
@@ -315,7 +332,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="L40S",
         nvml_name="NVIDIA L40S",
         memory_mib=46068,
-        architecture=pynvml.NVML_DEVICE_ARCH_ADA,
+        architecture=NVML_DEVICE_ARCH_ADA,
         arch_name="ada",
         compute_capability=(8, 9),
         family="ada-lovelace",
@@ -328,7 +345,7 @@ _MODELS: tuple[GpuModel, ...] = (
         key="T4",
         nvml_name="Tesla T4",
         memory_mib=15360,
-        architecture=pynvml.NVML_DEVICE_ARCH_TURING,
+        architecture=NVML_DEVICE_ARCH_TURING,
         arch_name="turing",
         compute_capability=(7, 5),
         family="turing",

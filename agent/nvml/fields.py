@@ -15,7 +15,8 @@ from typing import Any
 
 import pynvml
 
-from agent.nvml.backend import MigDeviceInfo, NodeInventory, NvmlBackend
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.records import MigDeviceInfo, NodeInventory
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from importlib import resources
 import yaml
 
 from agent.nvml import fields as nv
-from agent.nvml.backend import GpuInfo
+from agent.nvml.records import GpuInfo
 from agent.state import NodeState
 from agent.telemetry.collector import Holder, Snapshot
 from agent.telemetry.fields import FIELDS

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from agent.inventory import Device, Resource
-from agent.nvml.backend import NodeInventory
+from agent.nvml.records import NodeInventory
 from agent.state import NodeState
 from agent.topology.allocator import preferred_gpus, preferred_mig, preferred_shared
 from agent.topology.model import Topology

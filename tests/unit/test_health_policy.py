@@ -6,7 +6,7 @@ import pytest
 
 from agent.config import DEFAULT_CONFIG, parse_config
 from agent.health.policy import Verdict, classify_reading
-from agent.nvml.backend import HealthReading
+from agent.nvml.records import HealthReading
 
 POLICY = DEFAULT_CONFIG.health
 

@@ -7,7 +7,7 @@ import dataclasses
 from agent.config import DEFAULT_CONFIG, parse_config
 from agent.kube.reconciler import label_diff
 from agent.labels import family, node_labels, owned, sanitise
-from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory, PairLink
+from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory, PairLink
 from agent.state import NodeState
 
 

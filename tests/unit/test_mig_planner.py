@@ -26,10 +26,11 @@ from agent.mig.planner import (
     plan_gpu,
     plan_node,
 )
-from agent.nvml.backend import MigDeviceInfo, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.catalog import Placement, lookup
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvml.records import MigDeviceInfo
 
 H100 = lookup("H100-SXM5-80GB")
 A100_40 = lookup("A100-SXM4-40GB")

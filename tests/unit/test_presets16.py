@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
-from agent.nvml.backend import NodeInventory, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvml.records import NodeInventory
 from agent.topology.allocator import preferred_gpus
 from agent.topology.prefer import topology_of
 

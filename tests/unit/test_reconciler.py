@@ -12,7 +12,7 @@ from agent.config import DEFAULT_CONFIG
 from agent.kube.reconciler import NodeReconciler, TaintPolicy, node_intent, taints_with
 from agent.kube.view import Condition
 from agent.labels import node_labels, owned
-from agent.nvml.backend import DriverInfo, GpuInfo, NodeInventory
+from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory
 from agent.simulate import InMemoryNode
 from agent.state import DeviceHealth, Incident, NodeState, StateBus
 

@@ -1,0 +1,323 @@
+"""The import rules of the package, read from the source with ast (nothing is imported to check them):
+
+- only agent/nvml/ imports pynvml or ctypes (native code and NVML's own errors stay behind the NVML boundary);
+  ctypes elsewhere only where NATIVE_ELSEWHERE names the module and why;
+- a pure module (PURE) imports nothing that reaches the outside world (IO_MODULES), except the few names
+  PURE_ALLOWANCES lists for one module with its reason, and nothing it imports from the package, however
+  indirectly, imports pynvml or ctypes.
+
+The checker runs on a small fixture package first, so a checker that finds nothing cannot pass for the real tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+NATIVE = frozenset({"pynvml", "ctypes"})
+"""Only modules under agent/nvml/ may import these."""
+
+NATIVE_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "agent/deviceplugin/dirwatch.py": ("ctypes", "inotify_init1/inotify_add_watch through libc; no NVML"),
+}
+"""Modules outside agent/nvml/ that may import one native module, with the reason."""
+
+IO_MODULES = frozenset({
+    # files and the operating system
+    "os", "io", "pathlib", "shutil", "tempfile", "glob", "fcntl", "mmap", "sqlite3", "importlib",
+    # processes and signals
+    "subprocess", "multiprocessing", "signal", "pty",
+    # network and the servers the agent runs
+    "socket", "ssl", "select", "selectors", "http", "urllib", "aiohttp", "grpc", "kubernetes", "requests",
+    "httpx", "prometheus_client",
+    # event loops and threads
+    "asyncio", "threading", "concurrent", "queue",
+    # native code, the clock, log output
+    "ctypes", "cffi", "pynvml", "time", "logging",
+})
+"""Top-level modules a pure module does not import: each reads or changes something outside its arguments."""
+
+PURE = (
+    "agent/state.py",
+    "agent/inventory.py",
+    "agent/labels.py",
+    "agent/topology/*.py",
+    "agent/health/policy.py",
+    "agent/mig/planner.py",
+    "agent/nvml/records.py",
+    "agent/nvml/catalog.py",
+)
+"""Modules whose functions depend only on their arguments (globs, each matching at least one file)."""
+
+PURE_IF_PRESENT = ("agent/dra/slices.py", "agent/dra/slices/*.py")
+"""Pure modules of a part that may not be in the tree yet."""
+
+PURE_ALLOWANCES: dict[str, dict[str, frozenset[str]]] = {
+    # StateBus, the one publication point, lives beside NodeState: it waits on an asyncio and a threading
+    # Condition and stamps incidents with the wall clock. Nothing else of these modules may be used there.
+    "agent/state.py": {
+        "asyncio": frozenset({"Condition"}),
+        "threading": frozenset({"Condition"}),
+        "time": frozenset({"time"}),
+    },
+}
+"""For one pure module: the I/O modules it may import and the only attributes of each it may use."""
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The absolute module name, e.g. "agent.nvml.backend"."""
+    names: tuple[str, ...]
+    """What `from module import ...` takes; () for `import module`."""
+    line: int
+
+    @property
+    def top(self) -> str:
+        return self.module.split(".")[0]
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(root: Path, path: Path) -> list[Import]:
+    """Every import statement of a file, at any depth (a function's local import counts too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(root, path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(alias.name, (), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append(Import(module, tuple(alias.name for alias in node.names), node.lineno))
+    return found
+
+
+def source_of(root: Path, module: str) -> Path | None:
+    """The file of a module of the tree, or None when it is not one (a third-party or standard module)."""
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def loaded_with(root: Path, imp: Import) -> list[str]:
+    """The tree's modules an import statement runs: the module, the packages above it, and the submodules a
+    `from package import name` names."""
+    parts = imp.module.split(".")
+    modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    modules += [f"{imp.module}.{name}" for name in imp.names]
+    return [m for m in modules if source_of(root, m) is not None]
+
+
+def package_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "agent").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def native_violations(root: Path) -> list[str]:
+    """Modules outside agent/nvml/ that import pynvml or ctypes without an entry in NATIVE_ELSEWHERE."""
+    problems = []
+    for path in package_files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("agent/nvml/"):
+            continue
+        allowed = NATIVE_ELSEWHERE.get(rel, ("", ""))[0]
+        for imp in imports_of(root, path):
+            if imp.top in NATIVE and imp.top != allowed:
+                problems.append(f"{rel}:{imp.line} imports {imp.module} (only agent/nvml/ may)")
+    return problems
+
+
+def pure_modules(root: Path) -> list[Path]:
+    found: list[Path] = []
+    for pattern in PURE:
+        matched = sorted(root.glob(pattern))
+        if not matched:
+            raise AssertionError(f"no file matches the pure module {pattern}: rename it in PURE")
+        found += matched
+    for pattern in PURE_IF_PRESENT:
+        found += sorted(root.glob(pattern))
+    return [p for p in found if p.name != "__init__.py" or p.read_text().strip()]
+
+
+def _attribute_uses(tree: ast.AST, bound: str) -> set[str]:
+    """The attributes taken of a name (`bound.x`), with "" for any other use of the bare name."""
+    used = set()
+    attributes = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == bound:
+            used.add(node.attr)
+        elif isinstance(node, ast.Name) and node.id == bound and id(node) not in attributes:
+            used.add("")
+    return used
+
+
+def io_violations(root: Path, path: Path) -> list[str]:
+    """The I/O a pure module imports directly, beyond its PURE_ALLOWANCES."""
+    rel = path.relative_to(root).as_posix()
+    allowances = PURE_ALLOWANCES.get(rel, {})
+    tree = ast.parse(path.read_text())
+    problems = []
+    for imp in imports_of(root, path):
+        if imp.top not in IO_MODULES:
+            continue
+        allowed = allowances.get(imp.top)
+        if allowed is None or imp.module != imp.top:
+            problems.append(f"{rel}:{imp.line} imports {imp.module} (I/O in a pure module)")
+        elif imp.names:
+            problems += [f"{rel}:{imp.line} imports {imp.module}.{name} (I/O in a pure module)"
+                         for name in imp.names if name not in allowed]
+        else:
+            problems += [f"{rel}:{imp.line} uses {imp.top}.{attr} (only {', '.join(sorted(allowed))} allowed)"
+                         if attr else f"{rel}:{imp.line} passes {imp.top} itself around"
+                         for attr in sorted(_attribute_uses(tree, imp.top) - allowed)]
+    return problems
+
+
+def native_reached(root: Path, path: Path) -> list[str]:
+    """pynvml or ctypes loaded by importing a module, with the chain of the tree's modules that loads it."""
+    start = module_name(root, path)
+    chains = {start: [start]}
+    queue = [start, *loaded_with(root, Import(start, (), 0))[:-1]]
+    for package in queue[1:]:
+        chains[package] = [package]
+    problems = []
+    while queue:
+        current = queue.pop(0)
+        source = source_of(root, current)
+        assert source is not None
+        for imp in imports_of(root, source):
+            if imp.top in NATIVE:
+                problems.append(f"{path.relative_to(root).as_posix()} loads {imp.module} through "
+                                f"{' -> '.join(chains[current])}")
+            for module in loaded_with(root, imp):
+                if module not in chains:
+                    chains[module] = [*chains[current], module]
+                    queue.append(module)
+    return problems
+
+
+def purity_violations(root: Path) -> list[str]:
+    problems = []
+    for path in pure_modules(root):
+        problems += io_violations(root, path) + native_reached(root, path)
+    return problems
+
+
+# --- the checker on a fixture package --------------------------------------------------------------------
+
+FIXTURE = {
+    "agent/__init__.py": "",
+    "agent/nvml/__init__.py": "",
+    "agent/nvml/records.py": "from dataclasses import dataclass\n",
+    "agent/nvml/backend.py": "import ctypes\nimport pynvml\nfrom agent.nvml.records import *\n",
+    "agent/config.py": "import os\nfrom agent.nvml import backend\n",
+    "agent/mig/__init__.py": "",
+    "agent/mig/applier.py": "import pynvml\n\ndef apply():\n    from ctypes import c_uint\n",
+    "agent/mig/planner.py": "from agent.nvml.catalog import MODELS\n",
+    "agent/nvml/catalog.py": "import math\n",
+    "agent/deviceplugin/__init__.py": "",
+    "agent/deviceplugin/dirwatch.py": "import ctypes.util\nimport pynvml\n",
+    "agent/state.py": (
+        "import asyncio\nimport threading\nimport time\nfrom os import path\nfrom .config import X\n\n"
+        "a = asyncio.Condition()\nb = threading.Condition()\nc = threading.Thread\n"
+        "d = asyncio.get_event_loop().run_until_complete\ne = time.time()\nf = (time,)\n"
+    ),
+    "agent/inventory.py": "from agent.nvml.records import GpuInfo\nfrom .state import NodeState\n",
+    "agent/labels.py": "import socket\n",
+    "agent/topology/__init__.py": "",
+    "agent/topology/model.py": "from ..nvml import records\n",
+    "agent/health/__init__.py": "",
+    "agent/health/policy.py": "import logging\nfrom subprocess import run\n",
+}
+
+
+def write_fixture(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+
+
+def test_the_checker_finds_native_imports_outside_the_nvml_package(tmp_path: Path) -> None:
+    write_fixture(tmp_path, FIXTURE)
+    assert native_violations(tmp_path) == [
+        "agent/deviceplugin/dirwatch.py:2 imports pynvml (only agent/nvml/ may)",
+        "agent/mig/applier.py:1 imports pynvml (only agent/nvml/ may)",
+        "agent/mig/applier.py:4 imports ctypes (only agent/nvml/ may)",
+    ]
+
+
+def test_the_checker_finds_io_and_nvml_reached_from_pure_modules(tmp_path: Path) -> None:
+    write_fixture(tmp_path, FIXTURE)
+    assert purity_violations(tmp_path) == [
+        "agent/state.py:1 uses asyncio.get_event_loop (only Condition allowed)",
+        "agent/state.py:2 uses threading.Thread (only Condition allowed)",
+        "agent/state.py:3 passes time itself around",
+        "agent/state.py:4 imports os (I/O in a pure module)",
+        "agent/state.py loads ctypes through agent.state -> agent.config -> agent.nvml.backend",
+        "agent/state.py loads pynvml through agent.state -> agent.config -> agent.nvml.backend",
+        "agent/inventory.py loads ctypes through agent.inventory -> agent.state -> agent.config -> agent.nvml.backend",
+        "agent/inventory.py loads pynvml through agent.inventory -> agent.state -> agent.config -> agent.nvml.backend",
+        "agent/labels.py:1 imports socket (I/O in a pure module)",
+        "agent/health/policy.py:1 imports logging (I/O in a pure module)",
+        "agent/health/policy.py:2 imports subprocess (I/O in a pure module)",
+    ]
+
+
+def test_a_missing_pure_module_is_an_error_not_a_pass(tmp_path: Path) -> None:
+    write_fixture(tmp_path, {k: v for k, v in FIXTURE.items() if k != "agent/labels.py"})
+    with pytest.raises(AssertionError, match=r"no file matches the pure module agent/labels\.py"):
+        purity_violations(tmp_path)
+
+
+# --- the rules on the package ----------------------------------------------------------------------------
+
+
+def test_only_the_nvml_package_imports_pynvml_or_ctypes() -> None:
+    assert native_violations(REPO) == []
+
+
+def test_each_native_exception_is_still_needed() -> None:
+    for rel, (module, _reason) in NATIVE_ELSEWHERE.items():
+        tops = {imp.top for imp in imports_of(REPO, REPO / rel)}
+        assert module in tops, f"{rel} no longer imports {module}: remove it from NATIVE_ELSEWHERE"
+
+
+def test_pure_modules_import_no_io_and_load_no_nvml() -> None:
+    assert purity_violations(REPO) == []
+
+
+def test_importing_the_pure_core_loads_neither_pynvml_nor_ctypes() -> None:
+    modules = sorted(module_name(REPO, p) for p in pure_modules(REPO))
+    script = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+              f"print(sorted(set({sorted(NATIVE)!r}) & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+    assert "agent.state" in modules and "agent.nvml.records" in modules
+
+
+def test_the_catalogs_nvml_numbers_are_pynvmls() -> None:
+    import pynvml
+
+    from agent.nvml import catalog
+
+    written = {name: value for name, value in vars(catalog).items() if name.startswith("NVML_")}
+    assert len(written) == 16
+    assert {name: getattr(pynvml, name) for name in written} == written
