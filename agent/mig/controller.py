@@ -28,7 +28,9 @@ NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 BUSY_POLL_S = 2.0
 RETRY_DELAYS_S = (30.0, 60.0, 120.0, 300.0, 600.0)
-"""A failed layout is tried again after these delays while the label stays; then only a new label retries."""
+"""A layout that failed for a passing reason (pods holding the GPUs, an NVML error, another apply) is tried again
+after these delays while the label stays; then only a new label value retries. An unknown layout or one the GPUs
+cannot take is not retried."""
 REBOOT_CHECK_S = 60.0
 """How often a layout waiting for a GPU reset (rebooting) checks whether the GPUs took their MIG mode."""
 NO_MORE_TRIES = "no more tries until the label changes"
@@ -50,6 +52,8 @@ class MigController:
                  ) -> None:
         self._metrics = metrics
         self._started = 0.0
+        self._settled = False
+        """The last failure cannot pass by trying again (an unknown layout, one the GPUs cannot take)."""
         self._backend = backend
         self._ops = MigOps(backend)
         self._bus = bus
@@ -99,6 +103,7 @@ class MigController:
 
     async def apply(self, name: str) -> MigStatus:
         state = self._bus.current
+        self._settled = False
         log.info("MIG layout %s requested", name)
         self._started = asyncio.get_running_loop().time()
         await self._bus.update(mig_status=MigStatus(name, "pending"))
@@ -108,6 +113,7 @@ class MigController:
             plan = await self._nvml(lambda: plan_layout(self._ops, gpus, layout))
         except (LayoutError, OSError, PlanError) as err:
             reason = str(err).replace("\n", "; ")
+            self._settled = True  # the layouts file or the GPUs rule it out: trying again changes nothing
             await self._finish(ApplyResult(name, "failed", reason))
             return self._status()
         changing = frozenset(g.uuid for g in state.inventory.gpus
@@ -164,6 +170,9 @@ class MigController:
                     continue  # the label changed meanwhile
                 log.info("MIG layout %s: a GPU took its pending MIG mode; applying again", status.layout)
             else:
+                if self._settled:
+                    await self._bus.wait_newer(state.version)
+                    continue
                 if retries >= len(RETRY_DELAYS_S):
                     if not status.reason.endswith(NO_MORE_TRIES):
                         await self._say(status, NO_MORE_TRIES)

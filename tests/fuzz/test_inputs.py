@@ -321,6 +321,11 @@ def no_such_layout(value: str) -> str:
     return f"built-in default-layouts.yaml: no layout named {value!r} (known: {', '.join(LAYOUT_NAMES)})"
 
 
+def at_most_1024(message: str) -> str:
+    """An Event message as the agent records it: cut to 1024 characters, saying so."""
+    return message if len(message) <= 1024 else message[:1009] + " ... (shortened)"
+
+
 async def label_protocol(config: AgentConfig, values: list[str]) -> None:
     directory = short_dir()
     fake = FakeNvml(load_node("dgx-a100"))
@@ -361,7 +366,8 @@ async def label_protocol(config: AgentConfig, values: list[str]) -> None:
             assert [(d.ID, d.health) for d in kubelet.plugins["nvidia.com/gpu"].devices] == devices
             assert bus.current.draining == frozenset()
         assert [e for e in node.events if e[1] == "MigConfigFailed"] == [
-            ("Warning", "MigConfigFailed", f"MIG layout {v}: failed: {no_such_layout(v)}") for v in failures
+            ("Warning", "MigConfigFailed", at_most_1024(f"MIG layout {v}: failed: {no_such_layout(v)}"))
+            for v in failures
         ]
         restarts = [s for f in agent.metrics.registry.collect() if f.name == "gpu_agent_task_restarts"
                     for s in f.samples if s.name.endswith("_total")]
