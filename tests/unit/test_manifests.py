@@ -70,8 +70,13 @@ def strings(value: Any) -> list[str]:
 # --- the base as a whole ----------------------------------------------------------------------------
 
 
+COMPONENTS = {"monitoring"}
+"""Kustomize Components beside the base, not part of it (tests/unit/test_monitoring.py checks monitoring/)."""
+
+
 def test_every_file_parses_and_holds_named_objects() -> None:
-    files = sorted(p.name for p in BASE.iterdir())
+    assert {p.name for p in BASE.iterdir() if p.is_dir()} == COMPONENTS
+    files = sorted(p.name for p in BASE.iterdir() if not p.is_dir())
     assert files, "daemonset/ is empty"
     for name in files:
         assert name.endswith(".yaml"), f"{name}: only YAML belongs in the base"
