@@ -1,4 +1,4 @@
-"""The gpu-agent command: run | inspect | simulate. Errors become one clear line and a non-zero exit."""
+"""The gpu-agent command: run | inspect | simulate | mig | fault. Errors become one clear line and a non-zero exit."""
 
 from __future__ import annotations
 
