@@ -19,6 +19,8 @@ from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.dra.publisher import SlicePublisher, publisher_for
+from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
@@ -153,6 +155,8 @@ class Agent:
         self.monitor: HealthMonitor | None = None
         self.telemetry: TelemetryCollector | None = None
         self.mig: MigController | None = None
+        self.slices: SlicePublisher | None = None
+        """DRA mode: keeps the node's ResourceSlice."""
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
@@ -168,7 +172,9 @@ class Agent:
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
         assert self.bus is not None
-        return {name: r.devices for name, r in self.plans(self.bus.current).resources.items()}
+        resources = self.plans(self.bus.current).resources
+        served = plugin_resources(resources, self.options.config.dra.enabled)
+        return {name: r.devices for name, r in resources.items() if name in served}
 
     def ready(self) -> tuple[bool, str]:
         """Ready once registered with the kubelet and, with an API server, once the agent's own Node shows
@@ -184,6 +190,8 @@ class Agent:
             return False, problem
         if self.plugins is None or not self.plugins.registered.is_set():
             return False, "not registered with the kubelet"
+        if self.slices is not None and not self.slices.published.is_set():
+            return False, "the ResourceSlice is not published yet"
         if self.reconciler is None:
             return True, "ok"
         registrations = sum(p.registrations for p in self.plugins.plugins.values())
@@ -262,7 +270,7 @@ class Agent:
         preferences = Preferences(lambda: bus.current)
         self.plugins = PluginSet(
             lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
-            lambda: set(self.plans(bus.current).resources),
+            lambda: plugin_resources(self.plans(bus.current).resources, opts.config.dra.enabled),
             opts.kubelet_dir,
             bus,
             self.metrics,
@@ -285,6 +293,10 @@ class Agent:
         if opts.kube is not None:
             self.reconciler = NodeReconciler(opts.kube, bus, _intent, owned, self.metrics.api_errors.inc)
             self._spawn("node-reconciler", self.reconciler.run)
+        if opts.config.dra.enabled:
+            self.slices = publisher_for(opts.kube, bus, opts.config.dra.driver_name, self.metrics.api_errors.inc)
+            if self.slices is not None:
+                self._spawn("dra-slices", self.slices.run)
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
             len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
@@ -385,6 +397,8 @@ class Agent:
             await self.plugins.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
+        if self.slices is not None:
+            await self.slices.close()
         close = getattr(self.options.kube, "close", None)
         if close is not None:
             await close()

@@ -128,6 +128,11 @@ class SlicePublisher:
         self.published = asyncio.Event()
         """Set once the slice matches the current state."""
 
+    async def close(self) -> None:
+        close = getattr(self._api, "close", None)
+        if close is not None:
+            await close()
+
     def republish(self) -> None:
         """Check the slice now (call after the kubelet plugin registers: the kubelet deletes the driver's
         slices then)."""
@@ -193,3 +198,12 @@ class SlicePublisher:
                 self._wake.clear()
             if self._bus.current.version != version:
                 self.published.clear()
+
+
+def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None]) -> SlicePublisher | None:
+    """The publisher for the agent's own Node client, sharing its server and credentials; None (said in the
+    log) when the agent has no API server client to share."""
+    if not isinstance(kube, NodeApi):
+        log.warning("DRA mode: no API server client; no ResourceSlice is published")
+        return None
+    return SlicePublisher(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error)

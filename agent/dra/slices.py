@@ -8,10 +8,11 @@ GPUs whose MIG layout is changing and MIG-enabled GPUs (their MIG devices are no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from agent.inventory import GPU_RESOURCE
 from agent.nvml.catalog import MODELS
 from agent.state import NodeState
 from agent.topology.model import Topology
@@ -182,3 +183,8 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
         "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
         "devices": [gpu_device(g, state, cliques, pcie_root) for g in published_gpus(state)],
     }
+
+
+def plugin_resources(names: Iterable[str], dra: bool) -> set[str]:
+    """The resources the device plugin serves: in DRA mode whole GPUs are the DRA driver's, not nvidia.com/gpu's."""
+    return {n for n in names if not (dra and n == GPU_RESOURCE)}

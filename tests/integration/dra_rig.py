@@ -1,0 +1,227 @@
+"""DRA on the test rig: the real kube-scheduler and kube-controller-manager (its resourceclaim controller only)
+against the rig's kube-apiserver, schedulable Nodes, the DeviceClass of the agent's driver, and the agent's
+own ServiceAccount with the RBAC DRA mode needs."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from apiserver import TESTBIN, ApiServer, _spawn, _stop_group, wait_until
+from kubernetes import client as k8s
+
+DRIVER = "gpu.gpu-node-agent.io"
+DEVICE_CLASS = "gpu.gpu-node-agent.io"
+GROUP, VERSION = "resource.k8s.io", "v1"
+NAMESPACE = "dra-test"
+AGENT_NAMESPACE = "gpu-node-agent-dra"
+AGENT_ACCOUNT = "gpu-node-agent"
+
+AGENT_RULES = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": [GROUP], "resources": ["resourceslices"],
+     "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+]
+"""The DaemonSet's ClusterRole plus what DRA mode adds: the node's ResourceSlice."""
+
+
+@dataclass
+class ControlPlane:
+    """kube-scheduler and kube-controller-manager, each in its own process group, with the admin identity."""
+
+    apiserver: ApiServer
+    workdir: Path
+
+    def __post_init__(self) -> None:
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        kubeconfig = str(self.apiserver.kubeconfig_path)
+        self._procs.append(_spawn([
+            str(TESTBIN / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--secure-port=0", "--v=2",
+        ], self.workdir / "kube-scheduler.log"))
+        self._procs.append(_spawn([
+            str(TESTBIN / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2",
+        ], self.workdir / "kube-controller-manager.log"))
+        time.sleep(0.5)
+        for proc, name in zip(self._procs, ("kube-scheduler", "kube-controller-manager"), strict=True):
+            if proc.poll() is not None:
+                log = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()[-20:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n" + "\n".join(log))
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            _stop_group(proc)
+        self._procs.clear()
+
+
+@contextlib.contextmanager
+def control_plane(apiserver: ApiServer, workdir: Path) -> Iterator[ControlPlane]:
+    plane = ControlPlane(apiserver, workdir)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+def setup_cluster(apiserver: ApiServer) -> None:
+    """The DeviceClass, the test namespace and the agent's account with its ClusterRole (idempotent)."""
+    admin = apiserver.admin_client()
+    core, rbac = k8s.CoreV1Api(admin), k8s.RbacAuthorizationV1Api(admin)
+    custom = k8s.CustomObjectsApi(admin)
+    for namespace in (NAMESPACE, AGENT_NAMESPACE):
+        with contextlib.suppress(k8s.ApiException):
+            core.create_namespace({"metadata": {"name": namespace}})
+    with contextlib.suppress(k8s.ApiException):  # no controller-manager makes it here
+        core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "default"}})
+    with contextlib.suppress(k8s.ApiException):
+        custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "DeviceClass", "metadata": {"name": DEVICE_CLASS},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]},
+        })
+    with contextlib.suppress(k8s.ApiException):
+        rbac.create_cluster_role({"metadata": {"name": "gpu-node-agent-dra"}, "rules": AGENT_RULES})
+    with contextlib.suppress(k8s.ApiException):
+        rbac.create_cluster_role_binding({
+            "metadata": {"name": "gpu-node-agent-dra"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "gpu-node-agent-dra"},
+            "subjects": [{"kind": "ServiceAccount", "name": AGENT_ACCOUNT, "namespace": AGENT_NAMESPACE}],
+        })
+
+
+def create_schedulable_node(apiserver: ApiServer, name: str) -> None:
+    """A Node the scheduler places pods on: Ready, with room for pods (no kubelet runs for it)."""
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}})
+    room = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_node_status(name, {"status": {"capacity": room, "allocatable": room, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
+         "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+    # The API server taints a new Node not-ready; the node lifecycle controller, not run here, would lift it.
+    core.patch_node(name, {"spec": {"taints": None}})
+
+
+def delete_node(apiserver: ApiServer, name: str) -> None:
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    with contextlib.suppress(k8s.ApiException):
+        core.delete_node(name)
+
+
+def slices_of(apiserver: ApiServer, node: str) -> list[dict[str, Any]]:
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    listed = custom.list_cluster_custom_object(GROUP, VERSION, "resourceslices",
+                                               field_selector=f"spec.nodeName={node}")
+    return list(listed["items"])
+
+
+def create_claim(apiserver: ApiServer, name: str, spec: dict[str, Any]) -> None:
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "resourceclaims", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceClaim", "metadata": {"name": name}, "spec": spec})
+
+
+def create_template(apiserver: ApiServer, name: str, spec: dict[str, Any]) -> None:
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "resourceclaimtemplates", {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+        "spec": {"spec": spec}})
+
+
+def create_pod(apiserver: ApiServer, name: str, claim: str | None = None, template: str | None = None) -> None:
+    """A pod with one claim (a ResourceClaim by name or one made from a template), for the scheduler."""
+    source = {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": template}
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    core.create_namespaced_pod(NAMESPACE, {"metadata": {"name": name}, "spec": {
+        "resourceClaims": [{"name": "gpus", **source}],
+        "containers": [{"name": "main", "image": "registry.invalid/cuda:test",
+                        "resources": {"claims": [{"name": "gpus"}]}}],
+    }})
+
+
+def pod(apiserver: ApiServer, name: str) -> Any:
+    return k8s.CoreV1Api(apiserver.admin_client()).read_namespaced_pod(name, NAMESPACE)
+
+
+def claim_of_pod(apiserver: ApiServer, pod_name: str) -> dict[str, Any] | None:
+    """The ResourceClaim a pod uses (by name, or the one made for it from its template); None before it exists."""
+    seen = pod(apiserver, pod_name)
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    spec_claim = seen.spec.resource_claims[0]
+    name = spec_claim.resource_claim_name
+    if name is None:
+        statuses = (seen.status.resource_claim_statuses or []) if seen.status else []
+        name = next((s.resource_claim_name for s in statuses if s.name == "gpus"), None)
+        if name is None:
+            return None
+    found: dict[str, Any] = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "resourceclaims", name)
+    return found
+
+
+def allocated(apiserver: ApiServer, pod_name: str, timeout: float = 60.0) -> tuple[str, list[tuple[str, str, str]]]:
+    """Once the scheduler allocated the pod's claim: the node it bound the pod to and the claim's results as
+    (request, pool, device)."""
+    result: dict[str, Any] = {}
+
+    def done() -> bool:
+        claim = claim_of_pod(apiserver, pod_name)
+        bound = pod(apiserver, pod_name).spec.node_name
+        if claim is None or not bound or not (claim.get("status") or {}).get("allocation"):
+            return False
+        result.update(claim=claim, node=bound)
+        return True
+
+    wait_until(done, timeout, f"the claim of pod {pod_name} to be allocated")
+    results = result["claim"]["status"]["allocation"]["devices"]["results"]
+    assert {r["driver"] for r in results} == {DRIVER}
+    return result["node"], sorted((r["request"], r["pool"], r["device"]) for r in results)
+
+
+def unschedulable(apiserver: ApiServer, pod_name: str, timeout: float = 60.0) -> str:
+    """Once the scheduler tried and failed: its message in the pod's PodScheduled condition."""
+    found: list[str] = []
+
+    def tried() -> bool:
+        seen = pod(apiserver, pod_name)
+        for condition in (seen.status.conditions or []) if seen.status else []:
+            if condition.type == "PodScheduled" and condition.status == "False":
+                found.append(condition.message or "")
+                return condition.reason == "Unschedulable"
+        return False
+
+    wait_until(tried, timeout, f"the scheduler to find no place for pod {pod_name}")
+    return found[-1]
+
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    holder: list[Any] = []
+
+    def ok() -> bool:
+        value = check()
+        if value:
+            holder.append(value)
+        return bool(value)
+
+    wait_until(ok, timeout, what)
+    return holder[-1]
+
+
+def remove_workloads(apiserver: ApiServer) -> None:
+    """Delete the test namespace's pods (at once: no kubelet runs them), claims and templates, so that a pod a
+    test left pending is not scheduled onto the next test's node."""
+    admin = apiserver.admin_client()
+    core, custom = k8s.CoreV1Api(admin), k8s.CustomObjectsApi(admin)
+    core.delete_collection_namespaced_pod(NAMESPACE, grace_period_seconds=0)
+    for plural in ("resourceclaims", "resourceclaimtemplates"):
+        custom.delete_collection_namespaced_custom_object(GROUP, VERSION, NAMESPACE, plural)
+    wait_until(lambda: not core.list_namespaced_pod(NAMESPACE).items, 30, f"the pods of {NAMESPACE} to go")

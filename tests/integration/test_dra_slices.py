@@ -1,0 +1,212 @@
+"""DRA mode against real components: the agent's ResourceSlice on the rig's kube-apiserver, written with the
+agent's own ServiceAccount, and claims allocated from it by the real kube-scheduler (templates turned into
+claims by the real kube-controller-manager), for pods bound to Nodes made here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from apiserver import REPO, ApiServer
+from dra_rig import (
+    AGENT_ACCOUNT,
+    AGENT_NAMESPACE,
+    DEVICE_CLASS,
+    DRIVER,
+    ControlPlane,
+    allocated,
+    claim_of_pod,
+    control_plane,
+    create_claim,
+    create_pod,
+    create_schedulable_node,
+    create_template,
+    delete_node,
+    remove_workloads,
+    setup_cluster,
+    slices_of,
+    unschedulable,
+)
+from kubernetes import client as k8s
+
+from agent.config import parse_config
+from agent.daemon import Agent, AgentOptions
+from agent.kube.node import NodeApi
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from tests.plugin_harness import short_dir
+
+LOOSE = str(REPO / "tests" / "fixtures" / "dra" / "one-pair-two-loose.yaml")
+PAIR = f"{DRIVER}/nvlinkPair"
+
+
+@pytest.fixture(scope="module")
+def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    setup_cluster(apiserver)
+    with control_plane(apiserver, tmp_path_factory.mktemp("control-plane")) as plane:
+        yield plane
+
+
+@pytest.fixture(scope="module")
+def agent_kubeconfig(apiserver: ApiServer) -> Path:
+    setup_cluster(apiserver)
+    return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+
+
+@contextlib.asynccontextmanager
+async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: str
+                    ) -> AsyncIterator[tuple[Agent, FakeNvml]]:
+    """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it."""
+    await asyncio.to_thread(create_schedulable_node, apiserver, node)
+    directory = short_dir()
+    config = parse_config(f"version: v1\ndra: {{enabled: true}}\nmig: {{stateDir: {directory}/state}}\n"
+                          "health: {sampleIntervalSeconds: 0.1}\n")
+    fake = FakeNvml(load_node(preset))
+    api = await NodeApi.connect(kubeconfig, node)
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
+                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=api))
+    try:
+        await agent.start()
+        assert agent.slices is not None
+        await asyncio.wait_for(agent.slices.published.wait(), 20)
+        yield agent, fake
+    finally:
+        await asyncio.to_thread(remove_workloads, apiserver)
+        await agent.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+        await asyncio.to_thread(delete_node, apiserver, node)
+
+
+def devices(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for d in found["spec"]["devices"]}
+
+
+def two(request: str = "gpus", **extra: Any) -> dict[str, Any]:
+    return {"name": request, "exactly": {"deviceClassName": DEVICE_CLASS, "count": 2, **extra}}
+
+
+def pinned(*indices: int) -> dict[str, Any]:
+    """A claim for the GPUs with these indices, by CEL on the agent's `index` attribute."""
+    listed = ", ".join(map(str, indices))
+    return {"devices": {"requests": [{"name": "gpus", "exactly": {
+        "deviceClassName": DEVICE_CLASS, "count": len(indices),
+        "selectors": [{"cel": {"expression": f"device.attributes['{DRIVER}'].index in [{listed}]"}}]}}]}}
+
+
+ON_ONE_PAIR = {"devices": {"requests": [two()], "constraints": [{"requests": ["gpus"], "matchAttribute": PAIR}]}}
+
+BEST_TOPOLOGY_FIRST = {"devices": {
+    "requests": [{"name": "gpus", "firstAvailable": [
+        {"name": sub, "deviceClassName": DEVICE_CLASS, "count": 2} for sub in ("pair", "numa", "any")]}],
+    "constraints": [
+        {"requests": ["gpus/pair"], "matchAttribute": PAIR},
+        {"requests": ["gpus/numa"], "matchAttribute": f"{DRIVER}/numaNode"},
+    ],
+}}
+"""2 GPUs: an NVLink pair, else two on one NUMA node, else any two."""
+
+
+async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
+        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-h100", "dgx-h100") as (agent, fake):
+        (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-h100")
+        assert found["metadata"]["name"] == "dra-h100-gpu.gpu-node-agent.io"
+        assert found["spec"]["driver"] == DRIVER
+        assert found["spec"]["pool"] == {"name": "dra-h100", "generation": 1, "resourceSliceCount": 1}
+        gpu4 = devices(found)["gpu-4"]
+        assert gpu4["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:9a:00.0"}
+        assert gpu4["attributes"]["numaNode"] == {"int": 1}
+        assert gpu4["attributes"]["nvlinkDomain"] == {"int": 0}
+        assert gpu4["attributes"]["cudaComputeCapability"] == {"version": "9.0.0"}
+        assert gpu4["capacity"] == {"memory": {"value": "81559Mi"}, "multiprocessors": {"value": "132"}}
+        assert list(devices(found)) == [f"gpu-{i}" for i in range(8)]
+        # The kubelet plugin API is not in this release: no nvidia.com/gpu device plugin is registered either.
+        assert agent.plugins is not None and agent.plugins.plugins == {}
+
+        fake.inject_xid(3, 48)  # a double-bit ECC error: the GPU is unhealthy
+
+        async def withdrawn() -> dict[str, Any]:
+            while True:
+                (now,) = await asyncio.to_thread(slices_of, apiserver, "dra-h100")
+                if "gpu-3" not in devices(now):
+                    return now
+                await asyncio.sleep(0.1)
+
+        now = await asyncio.wait_for(withdrawn(), 10)
+        assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6", "gpu-7"]
+        assert now["spec"]["pool"]["generation"] == 2
+
+
+async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-gone", "a100-pcie-nvlink-pairs") as (agent, _):
+        custom = k8s.CustomObjectsApi(apiserver.admin_client())
+        await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1", "resourceslices",
+                                "dra-gone-gpu.gpu-node-agent.io")
+        assert agent.slices is not None
+        agent.slices.republish()  # what a (re)registration with the kubelet does
+
+        async def back() -> dict[str, Any]:
+            while True:
+                items = await asyncio.to_thread(slices_of, apiserver, "dra-gone")
+                if items:
+                    return items[0]
+                await asyncio.sleep(0.1)
+
+        found = await asyncio.wait_for(back(), 10)
+        assert list(devices(found)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+        assert found["spec"]["pool"]["generation"] == 2
+
+
+async def test_the_scheduler_keeps_a_two_gpu_claim_on_one_nvlink_pair(
+        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-pairs", "a100-pcie-nvlink-pairs"):
+        # One GPU of the first pair is taken; a first-fit allocator would now split GPUs 1 and 2.
+        await asyncio.to_thread(create_claim, apiserver, "pairs-gpu0", pinned(0))
+        await asyncio.to_thread(create_pod, apiserver, "pairs-one", "pairs-gpu0")
+        assert await asyncio.to_thread(allocated, apiserver, "pairs-one") == (
+            "dra-pairs", [("gpus", "dra-pairs", "gpu-0")])
+        await asyncio.to_thread(create_claim, apiserver, "pairs-pair", ON_ONE_PAIR)
+        await asyncio.to_thread(create_pod, apiserver, "pairs-two", "pairs-pair")
+        assert await asyncio.to_thread(allocated, apiserver, "pairs-two") == (
+            "dra-pairs", [("gpus", "dra-pairs", "gpu-2"), ("gpus", "dra-pairs", "gpu-3")])
+        # GPU 1 is free but has no free partner: a second pair claim does not fit.
+        await asyncio.to_thread(create_claim, apiserver, "pairs-pair-2", ON_ONE_PAIR)
+        await asyncio.to_thread(create_pod, apiserver, "pairs-three", "pairs-pair-2")
+        message = await asyncio.to_thread(unschedulable, apiserver, "pairs-three")
+        assert "cannot allocate all claims" in message
+        claim = await asyncio.to_thread(claim_of_pod, apiserver, "pairs-three")
+        assert claim is not None and "allocation" not in (claim.get("status") or {})
+
+
+async def test_first_available_takes_a_pair_then_one_numa_node(
+        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-loose", LOOSE):
+        await asyncio.to_thread(create_template, apiserver, "best-topology", BEST_TOPOLOGY_FIRST)
+        await asyncio.to_thread(create_pod, apiserver, "loose-one", template="best-topology")
+        assert await asyncio.to_thread(allocated, apiserver, "loose-one") == (
+            "dra-loose", [("gpus/pair", "dra-loose", "gpu-0"), ("gpus/pair", "dra-loose", "gpu-1")])
+        await asyncio.to_thread(create_pod, apiserver, "loose-two", template="best-topology")
+        assert await asyncio.to_thread(allocated, apiserver, "loose-two") == (
+            "dra-loose", [("gpus/numa", "dra-loose", "gpu-2"), ("gpus/numa", "dra-loose", "gpu-3")])
+        await asyncio.to_thread(create_pod, apiserver, "loose-three", template="best-topology")
+        assert "cannot allocate all claims" in await asyncio.to_thread(unschedulable, apiserver, "loose-three")
+
+
+async def test_first_available_falls_back_to_any_two(
+        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-any", "a100-pcie-nvlink-pairs"):
+        # GPUs 1 and 3 are taken: no pair and no NUMA node has two free GPUs.
+        await asyncio.to_thread(create_claim, apiserver, "any-held", pinned(1, 3))
+        await asyncio.to_thread(create_pod, apiserver, "any-held", "any-held")
+        assert await asyncio.to_thread(allocated, apiserver, "any-held") == (
+            "dra-any", [("gpus", "dra-any", "gpu-1"), ("gpus", "dra-any", "gpu-3")])
+        await asyncio.to_thread(create_claim, apiserver, "any-best", BEST_TOPOLOGY_FIRST)
+        await asyncio.to_thread(create_pod, apiserver, "any-best", "any-best")
+        assert await asyncio.to_thread(allocated, apiserver, "any-best") == (
+            "dra-any", [("gpus/any", "dra-any", "gpu-0"), ("gpus/any", "dra-any", "gpu-2")])
