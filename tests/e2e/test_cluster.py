@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import tempfile
 import threading
@@ -109,6 +110,30 @@ def test_gpu_pods_get_the_preferred_gpus_and_too_many_gpus_stay_pending(cluster:
         assert cluster.get("pod", "-n", "default", "four-gpus")["status"]["phase"] == "Pending"
     finally:
         cluster.delete_pods("two-gpus", "three-gpus", "four-gpus")
+
+
+def agent_metrics(cluster: Cluster) -> str:
+    """The agent's /metrics, read inside its own pod (the endpoint listens on the node's network)."""
+    return cluster.kubectl("exec", "-n", NAMESPACE, cluster.agent_pod(), "--", "python", "-c",
+                           "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9400/metrics', "
+                           "timeout=10).read().decode())")
+
+
+def test_a_two_gpu_pod_is_named_on_exactly_its_gpus_metrics_until_it_ends(cluster: Cluster) -> None:
+    # dcgm-exporter's labels: pod and namespace on the series of the GPUs a container holds, from the kubelet's
+    # PodResources API, updated each collection pass (10 s by default).
+    def held() -> set[str]:
+        return set(re.findall(r'^DCGM_FI_DEV_GPU_TEMP\{[^}]*UUID="([^"]+)"[^}]*pod="metrics-two",namespace="default"',
+                              agent_metrics(cluster), re.M))
+    try:
+        cluster.apply(gpu_pod("metrics-two", 2))
+        wait_running(cluster, "metrics-two")
+        expected = visible_devices(cluster, "metrics-two")
+        assert len(expected) == 2
+        eventually(lambda: held() == expected, 60, "the pod's labels on its two GPUs' series")
+    finally:
+        cluster.delete_pods("metrics-two")
+    eventually(lambda: held() == set(), 60, "the pod's labels gone after it ended")
 
 
 # --- faults -------------------------------------------------------------------------------------------------------
