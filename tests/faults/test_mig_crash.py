@@ -103,20 +103,12 @@ def mig(action: str, start: Start, state_file: Path, state_dir: Path,
 _STDOUT = threading.Lock()
 
 
-def mig_assert(start: Start, state_file: Path) -> tuple[int, str]:
-    """`gpu-agent mig assert`, run in this process (it changes nothing): exit status and output."""
+def mig_readonly(action: str, start: Start, state_file: Path) -> tuple[int, str]:
+    """`gpu-agent mig assert` or `mig plan`, run in this process (they change nothing): exit status and
+    output."""
     out = io.StringIO()
     with _STDOUT, contextlib.redirect_stdout(out):
-        code = cli.main(["mig", "assert", "--nvml", f"mock:{start.node}", "--mock-state", str(state_file),
-                         "--layout", LAYOUT])
-    return code, out.getvalue()
-
-
-def mig_plan(start: Start, state_file: Path) -> tuple[int, str]:
-    """`gpu-agent mig plan`, run in this process (it changes nothing): exit status and output."""
-    out = io.StringIO()
-    with _STDOUT, contextlib.redirect_stdout(out):
-        code = cli.main(["mig", "plan", "--nvml", f"mock:{start.node}", "--mock-state", str(state_file),
+        code = cli.main(["mig", action, "--nvml", f"mock:{start.node}", "--mock-state", str(state_file),
                          "--layout", LAYOUT])
     return code, out.getvalue()
 
@@ -154,13 +146,13 @@ def crash_and_recover(start: Start, work: Path, n: int) -> Run:
                 expected.append(f"GPU {gpu_plan.index}: complete GPU instances left without a compute instance")
             expected += gpu_plan.actions()
         # `mig plan` shows the same steps, repairs included, before anything runs.
-        assert mig_plan(start, state_file) == (0, "\n".join(expected or ["no changes"]) + "\n"), n
+        assert mig_readonly("plan", start, state_file) == (0, "\n".join(expected or ["no changes"]) + "\n"), n
         first = mig("apply", start, state_file, state_dir)
         assert first.returncode == 0, (n, first.stdout, first.stderr)
         assert first.stdout.splitlines()[:-1] == expected, n
     assert first.stdout.splitlines()[-1].startswith(f"success: layout {LAYOUT!r} "), (n, first.stdout)
 
-    assert mig_assert(start, state_file) == (0, f"layout {LAYOUT!r} is applied\n"), n
+    assert mig_readonly("assert", start, state_file) == (0, f"layout {LAYOUT!r} is applied\n"), n
     backend, ops = opened(start.node, state_file)
     for index in range(start.gpus):
         found = [(i.profile, i.start, i.size, i.compute_instances) for i in ops.state(index).instances]

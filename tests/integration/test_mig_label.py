@@ -57,6 +57,20 @@ class PodResources(pr_grpc.PodResourcesListerServicer):
 
 
 @contextlib.asynccontextmanager
+async def pod_resources(directory: Path, holding: dict[str, list[str]]) -> AsyncIterator[None]:
+    """A PodResources server on the node's socket where the given pods hold the given devices (the dict can
+    change while it serves)."""
+    server = grpc.aio.server()
+    pr_grpc.add_PodResourcesListerServicer_to_server(PodResources(holding), server)
+    server.add_insecure_port(f"unix://{directory}/pr.sock")
+    await server.start()
+    try:
+        yield
+    finally:
+        await server.stop(None)
+
+
+@contextlib.asynccontextmanager
 async def mig_node(**mig: object) -> AsyncIterator[tuple[Agent, RecordingNode, FakeNvml, StandInKubelet, Path]]:
     directory = short_dir()
     settings = {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock", **mig}
@@ -130,11 +144,7 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
         # trainer-0 holds GPUs 2 and 5 in one container; eval-0 holds GPU 5 too (a second container would be
         # another pod entry with the same GPU): the reason names the two held GPUs and each pod once.
         holding = {"trainer-0": [gpus[5].uuid, gpus[2].uuid], "eval-0": [gpus[5].uuid]}
-        server = grpc.aio.server()
-        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources(holding), server)
-        server.add_insecure_port(f"unix://{directory}/pr.sock")
-        await server.start()
-        try:
+        async with pod_resources(directory, holding):
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
             await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
             # The reason, then when it is tried again while the label stays.
@@ -144,8 +154,6 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
             assert ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}") in node.events
             await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
             assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)  # type: ignore[union-attr]
-        finally:
-            await server.stop(None)
 
 
 async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
@@ -192,11 +200,7 @@ async def test_a_failed_layout_is_tried_again_while_the_label_stays(monkeypatch:
     async with mig_node() as (agent, node, _, kubelet, directory):
         gpus = agent.bus.current.inventory.gpus  # type: ignore[union-attr]
         holding = {"trainer-0": [gpus[3].uuid]}
-        server = grpc.aio.server()
-        pr_grpc.add_PodResourcesListerServicer_to_server(PodResources(holding), server)
-        server.add_insecure_port(f"unix://{directory}/pr.sock")
-        await server.start()
-        try:
+        async with pod_resources(directory, holding):
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
             await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
             holding.clear()  # the training pod ends: the next try goes through
@@ -216,5 +220,3 @@ async def test_a_failed_layout_is_tried_again_while_the_label_stays(monkeypatch:
                              timeout=30, what="no more tries")
             assert [e for e in node.events if e[1] == "MigConfigFailed"][-3:] == [
                 ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}")] * 3
-        finally:
-            await server.stop(None)
