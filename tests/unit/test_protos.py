@@ -12,7 +12,7 @@ from agent.deviceplugin.v1beta1 import api_pb2
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = [
     f"agent/{package}/{name}"
-    for package in ("deviceplugin/v1beta1", "podresources_v1")
+    for package in ("deviceplugin/v1beta1", "podresources_v1", "dra/v1", "dra/v1beta1", "dra/pluginregistration")
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi")
 ]
 
@@ -116,3 +116,48 @@ def test_every_field_is_covered() -> None:
         for f in m.fields
     }
     assert fields == set(WIRE)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta1"])
+def test_dra_wire_contract(version: str) -> None:
+    """k8s.io/kubelet/pkg/apis/dra/{v1,v1beta1}/api.proto: the kubelet calls these full method names."""
+    import importlib
+
+    dra = importlib.import_module(f"agent.dra.{version}.api_pb2")
+    package = f"k8s.io.kubelet.pkg.apis.dra.{version}"
+    assert dra.DESCRIPTOR.package == package
+    methods = {f"/{s.full_name}/{m.name}": (m.input_type.name, m.output_type.name)
+               for s in dra.DESCRIPTOR.services_by_name.values() for m in s.methods}
+    assert methods == {
+        f"/{package}.DRAPlugin/NodePrepareResources": ("NodePrepareResourcesRequest", "NodePrepareResourcesResponse"),
+        f"/{package}.DRAPlugin/NodeUnprepareResources": (
+            "NodeUnprepareResourcesRequest", "NodeUnprepareResourcesResponse"),
+    }
+    fields = {(m.name, f.name): f.number for m in dra.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    expected = {
+        ("NodePrepareResourcesRequest", "claims"): 1, ("NodePrepareResourcesResponse", "claims"): 1,
+        ("NodePrepareResourceResponse", "devices"): 1, ("NodePrepareResourceResponse", "error"): 2,
+        ("Device", "request_names"): 1, ("Device", "pool_name"): 2, ("Device", "device_name"): 3,
+        ("Device", "cdi_device_ids"): 4, ("NodeUnprepareResourcesRequest", "claims"): 1,
+        ("NodeUnprepareResourcesResponse", "claims"): 1, ("NodeUnprepareResourceResponse", "error"): 1,
+        ("Claim", "namespace"): 1, ("Claim", "uid"): 2, ("Claim", "name"): 3,
+    }
+    if version == "v1":
+        expected[("Device", "share_id")] = 5
+    assert fields == expected
+
+
+def test_plugin_registration_wire_contract() -> None:
+    """k8s.io/kubelet/pkg/apis/pluginregistration/v1/api.proto (package "pluginregistration" on the wire)."""
+    from agent.dra.pluginregistration import api_pb2 as reg
+
+    assert reg.DESCRIPTOR.package == "pluginregistration"
+    service = reg.DESCRIPTOR.services_by_name["Registration"]
+    assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == [
+        ("GetInfo", "InfoRequest", "PluginInfo"),
+        ("NotifyRegistrationStatus", "RegistrationStatus", "RegistrationStatusResponse"),
+    ]
+    fields = {(m.name, f.name): f.number for m in reg.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert fields == {("PluginInfo", "type"): 1, ("PluginInfo", "name"): 2, ("PluginInfo", "endpoint"): 3,
+                      ("PluginInfo", "supported_versions"): 4, ("RegistrationStatus", "plugin_registered"): 1,
+                      ("RegistrationStatus", "error"): 2}
