@@ -101,10 +101,6 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._generation.closed = True
         self._bus.wake()
 
-    @property
-    def open_streams(self) -> int:
-        return self._streams
-
     def _resource(self, state: NodeState) -> Resource:
         return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
 
