@@ -368,6 +368,8 @@ class DraSettings(_Strict):
     nvidia.com/gpu device plugin."""
     driver_name: str = Field(default="gpu.gpu-node-agent.io", alias="driverName")
     """The DRA driver name (a DNS subdomain): the slice's driver, the attributes' domain, the DeviceClass's."""
+    cdi_root: Path = Field(default=Path("/var/run/cdi"), alias="cdiRoot")
+    """Where the CDI specs of prepared claims are written (the container runtime's CDI spec directory)."""
 
     @field_validator("driver_name")
     @classmethod

@@ -19,7 +19,8 @@ from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
-from agent.dra.publisher import SlicePublisher, publisher_for
+from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
+from agent.dra.publisher import SlicePublisher, claim_reader, publisher_for
 from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
@@ -157,6 +158,8 @@ class Agent:
         self.mig: MigController | None = None
         self.slices: SlicePublisher | None = None
         """DRA mode: keeps the node's ResourceSlice."""
+        self.dra_plugin: DraKubeletPlugin | None = None
+        """DRA mode: the kubelet plugin (registration and the DRA service)."""
         self.http: HttpEndpoint | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
@@ -297,6 +300,15 @@ class Agent:
             self.slices = publisher_for(opts.kube, bus, opts.config.dra.driver_name, self.metrics.api_errors.inc)
             if self.slices is not None:
                 self._spawn("dra-slices", self.slices.run)
+                dra = opts.config.dra
+                try:
+                    self.dra_plugin = DraKubeletPlugin(
+                        Paths.under(opts.kubelet_dir.parent, dra.driver_name, dra.cdi_root), dra.driver_name,
+                        self.slices.node, bus, claim_reader(self.slices), files.control_nodes,
+                        opts.config.flags.dev_root, self.slices.republish)
+                except ClaimError as err:
+                    raise StartupError(str(err)) from None
+                await self.dra_plugin.start()
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
             len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
@@ -397,6 +409,8 @@ class Agent:
             await self.plugins.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
+        if self.dra_plugin is not None:
+            await self.dra_plugin.stop()
         if self.slices is not None:
             await self.slices.close()
         close = getattr(self.options.kube, "close", None)

@@ -102,6 +102,17 @@ class SliceApi:
             if err.status != 404:
                 raise
 
+    async def claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ResourceClaim, for the kubelet plugin; None when there is none of that name."""
+        path = f"/apis/resource.k8s.io/v1/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
+        try:
+            found: dict[str, Any] = await self._request("GET", path)
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+        return found
+
     async def list(self, node: str, driver: str) -> list[dict[str, Any]]:
         selector = quote(f"spec.nodeName={node},spec.driver={driver}", safe="")
         listed = await self._request("GET", f"{SLICES}?fieldSelector={selector}")
@@ -207,3 +218,9 @@ def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[
         log.warning("DRA mode: no API server client; no ResourceSlice is published")
         return None
     return SlicePublisher(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error)
+
+
+def claim_reader(publisher: SlicePublisher) -> SliceApi:
+    """The publisher's API client, which also reads ResourceClaims for the kubelet plugin."""
+    assert isinstance(publisher._api, SliceApi)
+    return publisher._api

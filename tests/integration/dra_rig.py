@@ -4,16 +4,26 @@ own ServiceAccount with the RBAC DRA mode needs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from apiserver import TESTBIN, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
+
+from agent.config import parse_config
+from agent.daemon import Agent, AgentOptions
+from agent.kube.node import NodeApi
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from tests.plugin_harness import short_dir
 
 DRIVER = "gpu.gpu-node-agent.io"
 DEVICE_CLASS = "gpu.gpu-node-agent.io"
@@ -28,8 +38,9 @@ AGENT_RULES = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": [GROUP], "resources": ["resourceslices"],
      "verbs": ["get", "list", "watch", "create", "update", "delete"]},
+    {"apiGroups": [GROUP], "resources": ["resourceclaims"], "verbs": ["get"]},
 ]
-"""The DaemonSet's ClusterRole plus what DRA mode adds: the node's ResourceSlice."""
+"""The DaemonSet's ClusterRole plus what DRA mode adds: the node's ResourceSlice, reading claims."""
 
 
 @dataclass
@@ -225,3 +236,45 @@ def remove_workloads(apiserver: ApiServer) -> None:
     for plural in ("resourceclaims", "resourceclaimtemplates"):
         custom.delete_collection_namespaced_custom_object(GROUP, VERSION, NAMESPACE, plural)
     wait_until(lambda: not core.list_namespaced_pod(NAMESPACE).items, 30, f"the pods of {NAMESPACE} to go")
+
+
+@contextlib.asynccontextmanager
+async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: str, root: Path | None = None,
+                    fake: FakeNvml | None = None, keep: bool = False) -> AsyncIterator[tuple[Agent, FakeNvml]]:
+    """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it (unless `keep`
+    and it exists). Under `root` (a fresh short directory by default): the kubelet's directory
+    (kubelet/device-plugins, kubelet/plugins_registry, kubelet/plugins/<driver>/) and the CDI directory (cdi)."""
+    if not (keep and await asyncio.to_thread(node_exists, apiserver, node)):
+        await asyncio.to_thread(create_schedulable_node, apiserver, node)
+    directory = root or short_dir()
+    kubelet_dir = directory / "kubelet" / "device-plugins"
+    kubelet_dir.mkdir(parents=True, exist_ok=True)
+    config = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi}}\n"
+                          f"mig: {{stateDir: {directory}/state}}\nhealth: {{sampleIntervalSeconds: 0.1}}\n")
+    fake = fake or FakeNvml(load_node(preset))
+    api = await NodeApi.connect(kubeconfig, node)
+    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
+                  AgentOptions(config=config, kubelet_dir=kubelet_dir, metrics_port=None, kube=api))
+    try:
+        await agent.start()
+        assert agent.slices is not None
+        await asyncio.wait_for(agent.slices.published.wait(), 20)
+        yield agent, fake
+    finally:
+        if not keep:
+            await asyncio.to_thread(remove_workloads, apiserver)
+        await agent.stop()
+        if root is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        if not keep:
+            await asyncio.to_thread(delete_node, apiserver, node)
+
+
+def node_exists(apiserver: ApiServer, name: str) -> bool:
+    try:
+        k8s.CoreV1Api(apiserver.admin_client()).read_node(name)
+    except k8s.ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return True

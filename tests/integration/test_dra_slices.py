@@ -5,9 +5,7 @@ claims by the real kube-controller-manager), for pods bound to Nodes made here."
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +22,13 @@ from dra_rig import (
     control_plane,
     create_claim,
     create_pod,
-    create_schedulable_node,
     create_template,
-    delete_node,
-    remove_workloads,
+    dra_agent,
     setup_cluster,
     slices_of,
     unschedulable,
 )
 from kubernetes import client as k8s
-
-from agent.config import parse_config
-from agent.daemon import Agent, AgentOptions
-from agent.kube.node import NodeApi
-from agent.nvml.backend import NvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
-from tests.plugin_harness import short_dir
 
 LOOSE = str(REPO / "tests" / "fixtures" / "dra" / "one-pair-two-loose.yaml")
 PAIR = f"{DRIVER}/nvlinkPair"
@@ -57,30 +45,6 @@ def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) ->
 def agent_kubeconfig(apiserver: ApiServer) -> Path:
     setup_cluster(apiserver)
     return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-
-
-@contextlib.asynccontextmanager
-async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: str
-                    ) -> AsyncIterator[tuple[Agent, FakeNvml]]:
-    """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it."""
-    await asyncio.to_thread(create_schedulable_node, apiserver, node)
-    directory = short_dir()
-    config = parse_config(f"version: v1\ndra: {{enabled: true}}\nmig: {{stateDir: {directory}/state}}\n"
-                          "health: {sampleIntervalSeconds: 0.1}\n")
-    fake = FakeNvml(load_node(preset))
-    api = await NodeApi.connect(kubeconfig, node)
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=api))
-    try:
-        await agent.start()
-        assert agent.slices is not None
-        await asyncio.wait_for(agent.slices.published.wait(), 20)
-        yield agent, fake
-    finally:
-        await asyncio.to_thread(remove_workloads, apiserver)
-        await agent.stop()
-        shutil.rmtree(directory, ignore_errors=True)
-        await asyncio.to_thread(delete_node, apiserver, node)
 
 
 def devices(found: dict[str, Any]) -> dict[str, dict[str, Any]]:

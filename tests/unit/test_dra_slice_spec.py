@@ -119,3 +119,28 @@ def test_config_section() -> None:
         parse_config("version: v1\ndra: {driverName: GPU}\n", "cfg")
     assert str(err.value) == ("cfg: dra.driverName: 'GPU' is not a DRA driver name (a lower-case DNS subdomain of "
                               "at most 63 characters with at least one dot, e.g. gpu.example.com)")
+
+
+def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
+    from agent.dra.cdi import claim_spec
+
+    spec = claim_spec(DRIVER, "u1", [("gpu-3", "GPU-c", 3)], ["/dev/nvidiactl", "/dev/nvidia-uvm"],
+                      Path("/run/nvidia/driver"))
+    assert spec == {"cdiVersion": "0.6.0", "kind": "gpu.gpu-node-agent.io/gpu", "devices": [
+        {"name": "claim-u1-gpu-3", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/nvidia3", "hostPath": "/run/nvidia/driver/dev/nvidia3"}]}},
+        {"name": "claim-u1", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=GPU-c"], "deviceNodes": [
+            {"path": "/dev/nvidiactl", "hostPath": "/run/nvidia/driver/dev/nvidiactl"},
+            {"path": "/dev/nvidia-uvm", "hostPath": "/run/nvidia/driver/dev/nvidia-uvm"}]}},
+    ]}
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    from agent.dra.plugin import ClaimError, ClaimStore, Paths
+
+    paths = Paths.under(tmp_path, DRIVER, tmp_path / "cdi")
+    paths.checkpoint.parent.mkdir(parents=True)
+    paths.checkpoint.write_text('{"version": 7, "claims": {}}')
+    with pytest.raises(ClaimError) as err:
+        ClaimStore(paths, DRIVER)
+    assert str(err.value) == f"the DRA checkpoint {paths.checkpoint} is not a version 1 checkpoint"

@@ -1,0 +1,48 @@
+"""Pure: the CDI spec (Container Device Interface) that gives a container the GPUs prepared for one claim."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CDI_VERSION = "0.6.0"
+
+
+def cdi_kind(driver: str) -> str:
+    """The spec's kind, vendor/class: the driver name and "gpu"."""
+    return f"{driver}/gpu"
+
+
+def claim_device_name(claim_uid: str) -> str:
+    return f"claim-{claim_uid}"
+
+
+def gpu_device_name(claim_uid: str, device: str) -> str:
+    return f"claim-{claim_uid}-{device}"
+
+
+def cdi_id(driver: str, name: str) -> str:
+    """A fully qualified CDI device name, vendor/class=name."""
+    return f"{cdi_kind(driver)}={name}"
+
+
+def claim_spec(driver: str, claim_uid: str, gpus: Sequence[tuple[str, str, int]], control_nodes: Sequence[str],
+               dev_root: Path) -> dict[str, Any]:
+    """The spec for one claim's GPUs, given as (device name, GPU UUID, minor): a device per GPU with its device
+    node, and one for the claim with the control device nodes and NVIDIA_VISIBLE_DEVICES naming every GPU of
+    the claim (so that a container given all of the claim's devices sees each GPU once)."""
+
+    def node(path: str) -> dict[str, str]:
+        host = str(dev_root / path.lstrip("/"))
+        return {"path": path} if host == path else {"path": path, "hostPath": host}
+
+    devices: list[dict[str, Any]] = [
+        {"name": gpu_device_name(claim_uid, name), "containerEdits": {"deviceNodes": [node(f"/dev/nvidia{minor}")]}}
+        for name, _, minor in gpus
+    ]
+    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={','.join(uuid for _, uuid, _ in gpus)}"]}
+    if control_nodes:
+        claim_edits["deviceNodes"] = [node(p) for p in control_nodes]
+    devices.append({"name": claim_device_name(claim_uid), "containerEdits": claim_edits})
+    return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": devices}

@@ -1,0 +1,300 @@
+"""The kubelet side of DRA mode: registration through the kubelet's plugin registration API and the DRA gRPC
+service (v1 and v1beta1).
+
+A registration socket in the kubelet's plugins_registry directory answers GetInfo (a DRAPlugin named after the
+driver, its endpoint, the services it serves) and NotifyRegistrationStatus (on success the ResourceSlice is
+checked again: the kubelet deletes a driver's slices when the driver registers). The DRA socket answers
+NodePrepareResources, which reads each claim from the API server, keeps its results for this driver and node,
+writes one CDI spec per claim and returns the CDI ids, and NodeUnprepareResources, which removes them. Both are
+idempotent; every change is written to a checkpoint file before it is answered, so a restart in between
+loses nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
+from agent.dra.pluginregistration import api_pb2 as reg
+from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
+from agent.dra.v1 import api_pb2 as v1
+from agent.dra.v1 import api_pb2_grpc as v1_grpc
+from agent.dra.v1beta1 import api_pb2 as v1beta1
+from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent.state import StateBus
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+"""What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them."""
+CHECKPOINT_VERSION = 1
+
+
+class ClaimReader(Protocol):
+    async def claim(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class Paths:
+    registration: Path
+    """The registration socket in the kubelet's plugins_registry directory."""
+    endpoint: Path
+    """The DRA service's socket."""
+    checkpoint: Path
+    cdi_dir: Path
+
+    @classmethod
+    def under(cls, kubelet_root: Path, driver: str, cdi_dir: Path) -> Paths:
+        plugin_dir = kubelet_root / "plugins" / driver
+        return cls(kubelet_root / "plugins_registry" / f"{driver}-reg.sock", plugin_dir / "dra.sock",
+                   plugin_dir / "checkpoint.json", cdi_dir)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_names: tuple[str, ...]
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+
+
+class ClaimError(Exception):
+    """A claim cannot be prepared; the message says why in one line."""
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ClaimStore:
+    """The prepared claims by UID, in memory and in the checkpoint file, with their CDI spec files."""
+
+    def __init__(self, paths: Paths, driver: str) -> None:
+        self._paths = paths
+        self._driver = driver
+        self.claims: dict[str, dict[str, Any]] = {}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self._paths.checkpoint.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as err:
+            raise ClaimError(f"cannot read the DRA checkpoint {self._paths.checkpoint}: {err}") from None
+        if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION or not isinstance(
+                data.get("claims"), dict):
+            raise ClaimError(f"the DRA checkpoint {self._paths.checkpoint} is not a version {CHECKPOINT_VERSION} "
+                             "checkpoint")
+        self.claims = data["claims"]
+
+    def _save(self) -> None:
+        _atomic_write(self._paths.checkpoint, json.dumps({"version": CHECKPOINT_VERSION, "claims": self.claims},
+                                                         sort_keys=True))
+
+    def spec_path(self, uid: str) -> Path:
+        return self._paths.cdi_dir / f"{self._driver.replace('/', '_')}-claim-{uid}.json"
+
+    def get(self, uid: str) -> list[Prepared] | None:
+        entry = self.claims.get(uid)
+        if entry is None:
+            return None
+        return [Prepared(tuple(d["requests"]), d["pool"], d["device"], tuple(d["cdi"])) for d in entry["devices"]]
+
+    def put(self, uid: str, namespace: str, name: str, devices: list[Prepared], spec: dict[str, Any]) -> None:
+        _atomic_write(self.spec_path(uid), json.dumps(spec, indent=2) + "\n")
+        self.claims[uid] = {"namespace": namespace, "name": name, "devices": [
+            {"requests": list(d.request_names), "pool": d.pool, "device": d.device, "cdi": list(d.cdi_ids)}
+            for d in devices]}
+        self._save()
+
+    def remove(self, uid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.spec_path(uid).unlink()
+        if self.claims.pop(uid, None) is not None:
+            self._save()
+
+
+class DraKubeletPlugin:
+    """Registration and DRA services on their unix sockets."""
+
+    def __init__(self, paths: Paths, driver: str, node: str, bus: StateBus, claims: ClaimReader,
+                 control_nodes: Sequence[str], dev_root: Path, on_registered: Callable[[], None]) -> None:
+        self.paths = paths
+        self.driver = driver
+        self.node = node
+        self._bus = bus
+        self._claims = claims
+        self._control_nodes = tuple(control_nodes)
+        self._dev_root = dev_root
+        self._on_registered = on_registered
+        self.store = ClaimStore(paths, driver)
+        self._server: grpc.aio.Server | None = None
+        self.registrations = 0
+        self.registration_error = ""
+
+    async def start(self) -> None:
+        for socket in (self.paths.registration, self.paths.endpoint):
+            socket.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                socket.unlink()
+        server = grpc.aio.server()
+        reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self), server)
+        v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self), server)
+        # The endpoint first: by the time the kubelet sees the registration socket, the service answers.
+        server.add_insecure_port(f"unix://{self.paths.endpoint}")
+        server.add_insecure_port(f"unix://{self.paths.registration}")
+        await server.start()
+        self._server = server
+        log.info("DRA plugin %s: registration socket %s, endpoint %s", self.driver, self.paths.registration,
+                 self.paths.endpoint)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        for socket in (self.paths.registration, self.paths.endpoint):
+            with contextlib.suppress(FileNotFoundError):
+                socket.unlink()
+
+    def info(self) -> reg.PluginInfo:
+        return reg.PluginInfo(type="DRAPlugin", name=self.driver, endpoint=str(self.paths.endpoint),
+                              supported_versions=SUPPORTED_SERVICES)
+
+    def registered(self, ok: bool, error: str) -> None:
+        if ok:
+            self.registrations += 1
+            self.registration_error = ""
+            log.info("registered DRA driver %s with the kubelet", self.driver)
+            self._on_registered()
+        else:
+            self.registration_error = error
+            log.error("the kubelet refused DRA driver %s: %s", self.driver, error)
+
+    async def prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
+        done = self.store.get(uid)
+        if done is not None:
+            return done
+        claim = await self._claims.claim(namespace, name)
+        where = f"claim {namespace}/{name}"
+        if claim is None:
+            raise ClaimError(f"{where}: not found")
+        if (claim.get("metadata") or {}).get("uid") != uid:
+            raise ClaimError(f"{where}: the API server has UID {(claim.get('metadata') or {}).get('uid')}, "
+                             f"the kubelet asked for {uid}")
+        allocation = (claim.get("status") or {}).get("allocation")
+        if not allocation:
+            raise ClaimError(f"{where}: not allocated")
+        results = [r for r in (allocation.get("devices") or {}).get("results") or []
+                   if r.get("driver") == self.driver and r.get("pool") == self.node]
+        gpus = {f"gpu-{g.index}": g for g in self._bus.current.inventory.gpus}
+        picked: dict[str, list[str]] = {}
+        for result in results:
+            device = str(result.get("device"))
+            if device not in gpus:
+                raise ClaimError(f"{where}: device {device} is not a GPU of node {self.node}")
+            picked.setdefault(device, []).append(str(result.get("request")))
+        listed = [(device, gpus[device].uuid, gpus[device].minor) for device in sorted(picked)]
+        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root)
+        shared = cdi_id(self.driver, claim_device_name(uid))
+        prepared = [Prepared(tuple(picked[device]), self.node, device,
+                             (cdi_id(self.driver, gpu_device_name(uid, device)), shared))
+                    for device, _, _ in listed]
+        self.store.put(uid, namespace, name, prepared, spec)
+        log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
+        return prepared
+
+    def unprepare(self, uid: str) -> None:
+        if self.store.get(uid) is not None:
+            log.info("unprepared claim %s", uid)
+        self.store.remove(uid)
+
+
+class _Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def GetInfo(self, request: reg.InfoRequest, context: Any) -> reg.PluginInfo:
+        return self._plugin.info()
+
+    async def NotifyRegistrationStatus(
+            self, request: reg.RegistrationStatus, context: Any) -> reg.RegistrationStatusResponse:
+        self._plugin.registered(request.plugin_registered, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
+    response = pb.NodePrepareResourcesResponse()
+    for claim in claims:
+        try:
+            prepared = await plugin.prepare(claim.namespace, claim.uid, claim.name)
+        except ClaimError as err:
+            response.claims[claim.uid].error = str(err)
+            continue
+        except Exception as err:  # an API server error: the kubelet retries
+            response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {type(err).__name__}: {err}"
+            continue
+        for d in prepared:
+            response.claims[claim.uid].devices.append(pb.Device(
+                request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                cdi_device_ids=list(d.cdi_ids)))
+    return response
+
+
+def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
+    response = pb.NodeUnprepareResourcesResponse()
+    for claim in claims:
+        try:
+            plugin.unprepare(claim.uid)
+            response.claims[claim.uid].error = ""
+        except OSError as err:
+            response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"
+    return response
+
+
+class _DraV1(v1_grpc.DRAPluginServicer):
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodePrepareResources(
+            self, request: v1.NodePrepareResourcesRequest, context: Any) -> v1.NodePrepareResourcesResponse:
+        response: v1.NodePrepareResourcesResponse = await _prepare_all(self._plugin, request.claims, v1)
+        return response
+
+    async def NodeUnprepareResources(
+            self, request: v1.NodeUnprepareResourcesRequest, context: Any) -> v1.NodeUnprepareResourcesResponse:
+        response: v1.NodeUnprepareResourcesResponse = _unprepare_all(self._plugin, request.claims, v1)
+        return response
+
+
+class _DraV1beta1(v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodePrepareResources(
+            self, request: v1beta1.NodePrepareResourcesRequest, context: Any
+    ) -> v1beta1.NodePrepareResourcesResponse:
+        response: v1beta1.NodePrepareResourcesResponse = await _prepare_all(self._plugin, request.claims, v1beta1)
+        return response
+
+    async def NodeUnprepareResources(
+            self, request: v1beta1.NodeUnprepareResourcesRequest, context: Any
+    ) -> v1beta1.NodeUnprepareResourcesResponse:
+        response: v1beta1.NodeUnprepareResourcesResponse = _unprepare_all(self._plugin, request.claims, v1beta1)
+        return response

@@ -1,0 +1,167 @@
+"""The agent's kubelet plugin in DRA mode, over real unix sockets, called as the kubelet calls it: registration
+(GetInfo, NotifyRegistrationStatus) and the DRA service (v1 and v1beta1), with the claims allocated by the
+real kube-scheduler on the rig's kube-apiserver; prepared claims survive a restart of the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from apiserver import ApiServer
+from dra_rig import (
+    AGENT_ACCOUNT,
+    AGENT_NAMESPACE,
+    DEVICE_CLASS,
+    DRIVER,
+    NAMESPACE,
+    ControlPlane,
+    allocated,
+    claim_of_pod,
+    control_plane,
+    create_claim,
+    create_pod,
+    delete_node,
+    dra_agent,
+    remove_workloads,
+    setup_cluster,
+    slices_of,
+)
+from kubernetes import client as k8s
+
+from agent.dra.pluginregistration import api_pb2 as reg
+from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
+from agent.dra.v1 import api_pb2 as v1
+from agent.dra.v1 import api_pb2_grpc as v1_grpc
+from agent.dra.v1beta1 import api_pb2 as v1beta1
+from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from tests.plugin_harness import short_dir
+
+NODE = "dra-kubelet"
+# The fake's UUIDs of GPUs 0 and 1 of the a100-pcie-nvlink-pairs preset (gpu-agent inspect shows them).
+GPU0 = "GPU-faece91d-e63e-4e89-483a-2d2887699a68"
+GPU1 = "GPU-e82f0889-5f7f-04e5-28bc-e0ef65580f97"
+ON_ONE_PAIR = {"devices": {
+    "requests": [{"name": "gpus", "exactly": {"deviceClassName": DEVICE_CLASS, "count": 2}}],
+    "constraints": [{"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkPair"}]}}
+
+
+@pytest.fixture(scope="module")
+def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    setup_cluster(apiserver)
+    with control_plane(apiserver, tmp_path_factory.mktemp("control-plane")) as plane:
+        yield plane
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    directory = short_dir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def devices_of(response: v1.NodePrepareResourceResponse | v1beta1.NodePrepareResourceResponse
+               ) -> list[tuple[list[str], str, str, list[str]]]:
+    return [(list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids)) for d in response.devices]
+
+
+async def test_registration_prepare_unprepare_and_a_restart_in_between(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    registration = root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    spec_file = root / "cdi"
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    try:
+        async with dra_agent(apiserver, kubeconfig, NODE, "a100-pcie-nvlink-pairs", root=root, keep=True):
+            async with grpc.aio.insecure_channel(f"unix://{registration}") as channel:
+                info = await reg_grpc.RegistrationStub(channel).GetInfo(reg.InfoRequest(), timeout=5)
+                assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == (
+                    "DRAPlugin", DRIVER, str(endpoint), ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+                # The kubelet deletes the driver's slices when it registers; the agent writes its slice again.
+                await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1",
+                                        "resourceslices", f"{NODE}-{DRIVER}")
+                await reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(
+                    reg.RegistrationStatus(plugin_registered=True), timeout=5)
+
+            async def back() -> list[str]:
+                while not (items := await asyncio.to_thread(slices_of, apiserver, NODE)):
+                    await asyncio.sleep(0.1)
+                return [d["name"] for d in items[0]["spec"]["devices"]]
+
+            assert await asyncio.wait_for(back(), 10) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+
+            await asyncio.to_thread(create_claim, apiserver, "train", ON_ONE_PAIR)
+            await asyncio.to_thread(create_pod, apiserver, "train", "train")
+            assert await asyncio.to_thread(allocated, apiserver, "train") == (
+                NODE, [("gpus", NODE, "gpu-0"), ("gpus", NODE, "gpu-1")])
+            claim = await asyncio.to_thread(claim_of_pod, apiserver, "train")
+            assert claim is not None
+            uid = claim["metadata"]["uid"]
+            await asyncio.to_thread(create_claim, apiserver, "idle", ON_ONE_PAIR)  # never allocated
+            idle = await asyncio.to_thread(custom.get_namespaced_custom_object, "resource.k8s.io", "v1",
+                                           NAMESPACE, "resourceclaims", "idle")
+
+            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+                stub = v1_grpc.DRAPluginStub(channel)
+                request = v1.NodePrepareResourcesRequest(claims=[
+                    v1.Claim(namespace=NAMESPACE, uid=uid, name="train"),
+                    v1.Claim(namespace=NAMESPACE, uid=idle["metadata"]["uid"], name="idle"),
+                    v1.Claim(namespace=NAMESPACE, uid="0000-wrong", name="train"),
+                ])
+                answer = await stub.NodePrepareResources(request, timeout=10)
+                kind = f"{DRIVER}/gpu"
+                expected = [
+                    (["gpus"], NODE, "gpu-0", [f"{kind}=claim-{uid}-gpu-0", f"{kind}=claim-{uid}"]),
+                    (["gpus"], NODE, "gpu-1", [f"{kind}=claim-{uid}-gpu-1", f"{kind}=claim-{uid}"]),
+                ]
+                assert answer.claims[uid].error == ""
+                assert devices_of(answer.claims[uid]) == expected
+                assert answer.claims[idle["metadata"]["uid"]].error == f"claim {NAMESPACE}/idle: not allocated"
+                assert answer.claims["0000-wrong"].error == (
+                    f"claim {NAMESPACE}/train: the API server has UID {uid}, the kubelet asked for 0000-wrong")
+                written = spec_file / f"{DRIVER}-claim-{uid}.json"
+                assert json.loads(written.read_text()) == {
+                    "cdiVersion": "0.6.0", "kind": kind, "devices": [
+                        {"name": f"claim-{uid}-gpu-0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}},
+                        {"name": f"claim-{uid}-gpu-1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1"}]}},
+                        # This machine has no /dev/nvidiactl or /dev/nvidia-uvm: no control device nodes.
+                        {"name": f"claim-{uid}", "containerEdits": {"env": [f"NVIDIA_VISIBLE_DEVICES={GPU0},{GPU1}"]}},
+                    ]}
+                stamp = os.stat(written).st_mtime_ns
+                # Again: the same answer, nothing written.
+                again = await stub.NodePrepareResources(
+                    v1.NodePrepareResourcesRequest(claims=[v1.Claim(namespace=NAMESPACE, uid=uid, name="train")]),
+                    timeout=10)
+                assert devices_of(again.claims[uid]) == expected
+                assert os.stat(written).st_mtime_ns == stamp
+
+        # The agent restarts between Prepare and Unprepare, and the claim is deleted from the API server.
+        await asyncio.to_thread(remove_workloads, apiserver)
+        async with (dra_agent(apiserver, kubeconfig, NODE, "a100-pcie-nvlink-pairs", root=root, keep=True),
+                    grpc.aio.insecure_channel(f"unix://{endpoint}") as channel):
+            stub_beta = v1beta1_grpc.DRAPluginStub(channel)
+            prepared = await stub_beta.NodePrepareResources(v1beta1.NodePrepareResourcesRequest(
+                claims=[v1beta1.Claim(namespace=NAMESPACE, uid=uid, name="train")]), timeout=10)
+            assert devices_of(prepared.claims[uid]) == expected
+            assert written.exists()
+            gone = await stub_beta.NodeUnprepareResources(v1beta1.NodeUnprepareResourcesRequest(
+                claims=[v1beta1.Claim(namespace=NAMESPACE, uid=uid, name="train")]), timeout=10)
+            assert gone.claims[uid].error == ""
+            assert not written.exists()
+            checkpoint = json.loads((root / "kubelet" / "plugins" / DRIVER / "checkpoint.json").read_text())
+            assert checkpoint == {"version": 1, "claims": {}}
+            # Unprepared already: still a success.
+            twice = await v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                v1.NodeUnprepareResourcesRequest(claims=[v1.Claim(namespace=NAMESPACE, uid=uid, name="train")]),
+                timeout=10)
+            assert twice.claims[uid].error == ""
+        assert not registration.exists() and not endpoint.exists()
+    finally:
+        await asyncio.to_thread(remove_workloads, apiserver)
+        await asyncio.to_thread(delete_node, apiserver, NODE)
