@@ -484,10 +484,12 @@ async def agent_process(
 GO_BENCH = Path(os.environ.get("TESTBIN_DIR", ROOT / ".cache" / "testbin")) / "bench-grpc"
 GO_BENCH_BUILD = ROOT / "bench" / "goclient" / "build.sh"
 FLOOR_SERVERS = ("agent", "go", "python")
-"""The order the servers take their turns in, in every round and for each method."""
+"""The order the servers take their turns in."""
 FLOOR_METHODS = ("allocate", "preferred")
 FLOOR_WARMUP = 200
-"""Untimed calls the Go client makes on its fresh connection before each timed series."""
+"""Untimed calls the Go client makes on each fresh connection before the timed ones."""
+FLOOR_CHUNK = 100
+"""Calls one server answers before the next one's turn, so the three share the same moments of a busy machine."""
 SOCKET_WAIT_S = 30.0
 
 
@@ -556,45 +558,45 @@ async def _wait_socket(path: Path, proc: asyncio.subprocess.Process, what: str) 
         await asyncio.sleep(0.05)
 
 
-async def _series(go: Path, socket: Path, pid: int, method: str, calls: int, seed: int,
-                  ids: Sequence[str]) -> dict[str, Any]:
-    """One Go client process: FLOOR_WARMUP untimed calls then `calls` timed ones on one connection; the
-    server's CPU time (utime + stime of its process) and the machine's load around the whole run."""
+async def _turns(go: Path, sockets: Sequence[Path], pids: Sequence[int], method: str, calls: int, seed: int,
+                 ids: Sequence[str]) -> list[dict[str, Any]]:
+    """One Go client process on one connection per server: FLOOR_WARMUP untimed calls to each, then `calls`
+    timed ones to each, the servers taking turns FLOOR_CHUNK calls at a time. Each server's CPU time (utime +
+    stime of its process) and the machine's load are read around the whole run."""
     load_start = os.getloadavg()[0]
-    busy, own, server_cpu, wall = _busy_seconds(), time.process_time(), cpu_seconds(pid), time.monotonic()
+    busy, own, wall = _busy_seconds(), time.process_time(), time.monotonic()
+    cpu = [cpu_seconds(pid) for pid in pids]
     proc = await asyncio.create_subprocess_exec(
-        str(go), "call", "-socket", str(socket), "-method", method, "-calls", str(calls),
-        "-warmup", str(FLOOR_WARMUP), "-seed", str(seed), "-ids", ",".join(ids),
+        str(go), "call", "-socket", ",".join(str(s) for s in sockets), "-method", method, "-calls", str(calls),
+        "-warmup", str(FLOOR_WARMUP), "-chunk", str(FLOOR_CHUNK), "-seed", str(seed), "-ids", ",".join(ids),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     wall = time.monotonic() - wall
-    server_cpu = cpu_seconds(pid) - server_cpu
+    cpu = [cpu_seconds(pid) - before for pid, before in zip(pids, cpu, strict=True)]
     own = time.process_time() - own
     busy = _busy_seconds() - busy
     if proc.returncode != 0:
-        raise RuntimeError(f"bench-grpc call {method} on {socket.name} exited {proc.returncode}: "
-                           f"{err.decode(errors='replace').strip()}")
+        raise RuntimeError(f"bench-grpc call {method} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
     result = json.loads(out)
-    ms = [ns / 1e6 for ns in result["latency_ns"]]
     served = calls + FLOOR_WARMUP
-    return {
-        "latency_ms": ms,
-        "server_cpu_ms_per_call": round(1000 * server_cpu / served, 4),
-        "client_cpu_ms_per_call": round(1000 * result["cpu_s"] / served, 4),
+    shared = {
+        "client_cpu_ms_per_call": round(1000 * result["cpu_s"] / (served * len(sockets)), 4),
         "wall_s": round(wall, 3),
         "load_average_start": round(load_start, 2),
         "load_average_end": round(os.getloadavg()[0], 2),
-        # Everything else the machine ran meanwhile, in CPUs: busy time less server, client and this process.
-        "other_cpus": round(max(0.0, busy - server_cpu - result["cpu_s"] - own) / wall, 3),
+        # Everything else the machine ran meanwhile, in CPUs: busy time less servers, client and this process.
+        "other_cpus": round(max(0.0, busy - sum(cpu) - result["cpu_s"] - own) / wall, 3),
     }
+    return [{"latency_ms": [ns / 1e6 for ns in ns_list], "server_cpu_ms_per_call": round(1000 * used / served, 4),
+             **shared} for ns_list, used in zip(result["latency_ns"], cpu, strict=True)]
 
 
 async def allocate_floor(preset: str, rounds: int, calls: int, rng: random.Random) -> dict[str, Any]:
     """Allocate and GetPreferredAllocation as the kubelet calls them, from a Go client process (bench-grpc),
-    against three servers taking turns in each round: the agent (`gpu-agent run` on the fake NVML, registered
-    with a stand-in kubelet whose ListAndWatch stream stays open), the Go floor (bench-grpc serve: grpc-go,
-    fixed answers) and the empty Python server (serve_empty). In a round every server gets the same request
-    sequence (one seed per round and method)."""
+    against three servers taking turns FLOOR_CHUNK calls at a time: the agent (`gpu-agent run` on the fake
+    NVML, registered with a stand-in kubelet whose ListAndWatch stream stays open), the Go floor (bench-grpc
+    serve: grpc-go, fixed answers) and the empty Python server (serve_empty). In a round every server gets the
+    same request sequence (one seed per round and method)."""
     go = build_go_bench()
     directory = short_dir()
     kubelet = StandInKubelet(directory)
@@ -626,9 +628,10 @@ async def allocate_floor(preset: str, rounds: int, calls: int, rng: random.Rando
         for round_ in range(1, rounds + 1):
             for method in FLOOR_METHODS:
                 seed = rng.getrandbits(63)
-                for server in FLOOR_SERVERS:
-                    figures = await _series(go, sockets[server], procs[server].pid, method, calls, seed, ids)
-                    series.append({"round": round_, "method": method, "server": server, "seed": seed, **figures})
+                turns = await _turns(go, [sockets[n] for n in FLOOR_SERVERS], [procs[n].pid for n in FLOOR_SERVERS],
+                                     method, calls, seed, ids)
+                series += [{"round": round_, "method": method, "server": server, "seed": seed, **figures}
+                           for server, figures in zip(FLOOR_SERVERS, turns, strict=True)]
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
         codes = {name: await asyncio.wait_for(proc.wait(), 15) for name, proc in procs.items()}
@@ -675,6 +678,7 @@ def _floor_figures(preset: str, devices: int, rounds: int, calls: int, series: l
     for s in series:
         s.update(latency(s.pop("latency_ms")))
     return {"preset": preset, "devices": devices, "rounds": rounds, "calls": calls, "warmup": FLOOR_WARMUP,
+            "chunk": FLOOR_CHUNK,
             "servers": list(FLOOR_SERVERS), "agent_command": command, "server_threads": SERVER_THREADS,
             "pooled": pooled, "ratios": ratios, "series": series}
 

@@ -346,9 +346,10 @@ def _floor(results: dict[str, Any]) -> list[str]:
     for method, r in floor["ratios"].items():
         rounds = "; ".join(f"{x['round']}: {x['p99_vs_go']:.2f}, {x['p50_vs_python']:.2f}" for x in r["by_round"])
         lines.append(f"| {calls[method]} | {r['p99_vs_go']:.2f} | {r['p50_vs_python']:.2f} | {rounds} |")
-    lines += ["", "Every series in the order it ran; load is the 1-minute load average at its start and end, other "
-              "CPUs what the rest of the machine used meanwhile (busy time in `/proc/stat` less the server's, "
-              "the client's and the benchmark's own, divided by the series' wall time).", "",
+    lines += ["", "Each server in each round and call, in the order they ran. The three took turns within one client "
+              "run, so they share its load (the 1-minute load average at its start and end), other CPUs (what the "
+              "rest of the machine used meanwhile: busy time in `/proc/stat` less the servers', the client's and "
+              "the benchmark's own, divided by the run's wall time), client CPU (per call) and wall time.", "",
               "| round | call | server | p50 | p99 | max | server CPU | client CPU | load | other CPUs | wall |",
               "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for x in floor["series"]:
@@ -367,17 +368,19 @@ def _floor(results: dict[str, Any]) -> list[str]:
         "The client is `bench-grpc call`, a separate Go process that dials and calls as the kubelet's device "
         "manager does (grpc-go, the kubelet's `k8s.io/kubelet` API package, `grpc.DialContext` with an insecure "
         "unix dialer and authority `localhost`, one container request per call on `context.Background()`), "
-        f"built by `bench/goclient/build.sh` with the test rig's Go. Each series is one client process on a "
-        f"fresh connection: {floor['warmup']} untimed calls, then {floor['calls']} timed ones, back to back. "
-        f"The servers take turns (agent, Go floor, empty Python) for Allocate and then for "
-        f"GetPreferredAllocation, {floor['rounds']} rounds; in a round all three get the same request sequence "
+        f"built by `bench/goclient/build.sh` with the test rig's Go. Each round and call is one client process "
+        f"with a fresh connection to each server: {floor['warmup']} untimed calls to each, then "
+        f"{floor['calls']} timed ones to each, the servers taking turns {floor['chunk']} calls at a time (agent, "
+        "Go floor, empty Python, agent, ...), so all three meet the same moments of a busy machine; Allocate "
+        f"first, then GetPreferredAllocation, {floor['rounds']} rounds. All three get the same request sequence "
         f"(one seed per round and call). Allocate names a random 1..{floor['devices']} of the "
         f"{floor['devices']} GPUs of `{floor['preset']}`; GetPreferredAllocation draws the size from "
         f"1..{floor['devices']}, a random available set of at least that size, and must-include devices in "
         "every fourth request of size 2 or more. Latency is the client's wall time around each call; p50 and "
         "p99 are nearest-rank. Server CPU is the growth of utime + stime in `/proc/<pid>/stat` (what getrusage "
-        "counts for that process, all threads) around the client's run divided by its calls, warm-up included; "
-        "for the agent it also holds whatever its health monitor and telemetry did meanwhile. Budgets: agent "
+        "counts for that process, all threads) around the whole client run divided by the calls that server "
+        "answered, warm-up included; it also holds what the server did while the others had their turns (for "
+        "the agent, its health monitor and telemetry: see its idle CPU above). Budgets: agent "
         "Allocate p99 at most 2x the Go floor's, p50 at most 1.3x the empty Python server's, at most 0.5 ms of "
         "agent CPU per Allocate; the GetPreferredAllocation ratios are reported without a budget (the agent "
         "computes an optimal set there, the floors do not).",

@@ -1,13 +1,14 @@
 // Command bench-grpc is the Go side of the Allocate floor benchmark (allocate_floor in bench/grpc_bench.py):
 //
-//	bench-grpc call  -socket PATH -method allocate|preferred -calls N -warmup W -seed S -ids ID,ID,...
+//	bench-grpc call  -socket PATH[,PATH...] -method allocate|preferred -calls N -warmup W -chunk C -seed S -ids ID,...
 //	bench-grpc serve -socket PATH -ids ID,ID,...
 //
-// "call" is a client that dials a device plugin's unix socket and calls it the way the kubelet's device
+// "call" is a client that dials device plugins' unix sockets and calls them the way the kubelet's device
 // manager does (pkg/kubelet/cm/devicemanager: grpc.DialContext with an insecure unix dialer and authority
 // "localhost", then one container request per call on context.Background()), timing every call; it prints
-// one JSON object with each call's latency in nanoseconds. Requests are drawn from the seed before the first
-// call, so every server in a run gets the same sequence.
+// one JSON object with each call's latency in nanoseconds. The servers take turns, C calls each (A B C A B
+// C ...), so they share the same moments of a busy machine; each gets the same requests, drawn from the
+// seed before the first call.
 //
 // "serve" is the floor a plugin written in Go has: the same DevicePlugin service on grpc-go, answering
 // Allocate with one fixed response and GetPreferredAllocation with the first devices offered.
@@ -65,20 +66,23 @@ func splitIDs(ids string) ([]string, error) {
 // --- the client ---------------------------------------------------------------------------------------------
 
 type result struct {
-	Method    string  `json:"method"`
-	Calls     int     `json:"calls"`
-	Warmup    int     `json:"warmup"`
-	LatencyNs []int64 `json:"latency_ns"`
-	WallS     float64 `json:"wall_s"`
-	CPUS      float64 `json:"cpu_s"` // this process's user + system time over its whole run (getrusage)
+	Method    string    `json:"method"`
+	Calls     int       `json:"calls"`
+	Warmup    int       `json:"warmup"`
+	Chunk     int       `json:"chunk"`
+	Sockets   []string  `json:"sockets"`
+	LatencyNs [][]int64 `json:"latency_ns"` // per socket, in call order
+	WallS     float64   `json:"wall_s"`
+	CPUS      float64   `json:"cpu_s"` // this process's user + system time over its whole run (getrusage)
 }
 
 func call(args []string) error {
 	fs := flag.NewFlagSet("call", flag.ContinueOnError)
-	socket := fs.String("socket", "", "the plugin's unix socket")
+	socketList := fs.String("socket", "", "the plugins' unix sockets, comma-separated: calls take turns among them")
 	method := fs.String("method", "allocate", "allocate or preferred")
-	calls := fs.Int("calls", 3000, "timed calls")
-	warmup := fs.Int("warmup", 200, "untimed calls first")
+	calls := fs.Int("calls", 3000, "timed calls per socket")
+	warmup := fs.Int("warmup", 200, "untimed calls first, per socket")
+	chunk := fs.Int("chunk", 100, "calls to one socket before the next one's turn")
 	seed := fs.Uint64("seed", 1, "seed of the request draws")
 	idList := fs.String("ids", "", "the resource's device IDs, comma-separated")
 	if err := fs.Parse(args); err != nil {
@@ -88,18 +92,24 @@ func call(args []string) error {
 	if err != nil {
 		return err
 	}
-	if *socket == "" || *calls < 1 || *warmup < 0 {
-		return fmt.Errorf("-socket and -calls >= 1 are required")
+	if *socketList == "" || *calls < 1 || *warmup < 0 || *chunk < 1 {
+		return fmt.Errorf("-socket, -calls >= 1 and -chunk >= 1 are required")
 	}
-	client, conn, err := dial(*socket)
-	if err != nil {
-		return err
+	sockets := strings.Split(*socketList, ",")
+	clients := make([]pluginapi.DevicePluginClient, len(sockets))
+	for i, socket := range sockets {
+		client, conn, err := dial(socket)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		clients[i] = client
 	}
-	defer conn.Close()
 
+	// Every socket gets the same requests in the same order.
 	rng := rand.New(rand.NewPCG(*seed, 0x5eed))
 	total := *warmup + *calls
-	var invoke func(i int) error
+	var invoke func(client pluginapi.DevicePluginClient, i int) error
 	switch *method {
 	case "allocate":
 		requests := make([]*pluginapi.AllocateRequest, total)
@@ -108,7 +118,7 @@ func call(args []string) error {
 				ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: sample(rng, ids, 1+rng.IntN(len(ids)))}},
 			}
 		}
-		invoke = func(i int) error {
+		invoke = func(client pluginapi.DevicePluginClient, i int) error {
 			_, err := client.Allocate(context.Background(), requests[i])
 			return err
 		}
@@ -117,7 +127,7 @@ func call(args []string) error {
 		for i := range requests {
 			requests[i] = preferredRequest(rng, ids, i)
 		}
-		invoke = func(i int) error {
+		invoke = func(client pluginapi.DevicePluginClient, i int) error {
 			_, err := client.GetPreferredAllocation(context.Background(), requests[i])
 			return err
 		}
@@ -125,19 +135,30 @@ func call(args []string) error {
 		return fmt.Errorf("unknown -method %q: allocate or preferred", *method)
 	}
 
-	for i := 0; i < *warmup; i++ {
-		if err := invoke(i); err != nil {
-			return fmt.Errorf("warm-up call %d: %v", i, err)
+	for s, client := range clients {
+		for i := 0; i < *warmup; i++ {
+			if err := invoke(client, i); err != nil {
+				return fmt.Errorf("%s: warm-up call %d: %v", sockets[s], i, err)
+			}
 		}
 	}
-	out := result{Method: *method, Calls: *calls, Warmup: *warmup, LatencyNs: make([]int64, *calls)}
+	out := result{Method: *method, Calls: *calls, Warmup: *warmup, Chunk: *chunk, Sockets: sockets,
+		LatencyNs: make([][]int64, len(sockets))}
+	for s := range sockets {
+		out.LatencyNs[s] = make([]int64, *calls)
+	}
 	began := time.Now()
-	for i := 0; i < *calls; i++ {
-		start := time.Now()
-		if err := invoke(*warmup + i); err != nil {
-			return fmt.Errorf("call %d: %v", i, err)
+	for first := 0; first < *calls; first += *chunk {
+		last := min(first+*chunk, *calls)
+		for s, client := range clients {
+			for i := first; i < last; i++ {
+				start := time.Now()
+				if err := invoke(client, *warmup+i); err != nil {
+					return fmt.Errorf("%s: call %d: %v", sockets[s], i, err)
+				}
+				out.LatencyNs[s][i] = time.Since(start).Nanoseconds()
+			}
 		}
-		out.LatencyNs[i] = time.Since(start).Nanoseconds()
 	}
 	out.WallS = time.Since(began).Seconds()
 	var usage syscall.Rusage
