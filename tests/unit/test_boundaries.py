@@ -2,6 +2,8 @@
 
 - only agent/nvml/ imports pynvml or ctypes (native code and NVML's own errors stay behind the NVML boundary);
   ctypes elsewhere only where NATIVE_ELSEWHERE names the module and why;
+- outside agent/nvml/, the fake NVML is reached only through agent/nvml/fake.py (``FakeNvml``), never through
+  the modules it is built from (fake_state.py, fake_mig.py, ...);
 - a pure module (PURE) imports nothing that reaches the outside world (IO_MODULES), except the few names
   PURE_ALLOWANCES lists for one module with its reason, and nothing it imports from the package, however
   indirectly, imports pynvml or ctypes.
@@ -145,6 +147,21 @@ def native_violations(root: Path) -> list[str]:
     return problems
 
 
+def fake_part_violations(root: Path) -> list[str]:
+    """Modules outside agent/nvml/ that import a part of the fake NVML instead of agent.nvml.fake."""
+    problems = []
+    for path in package_files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("agent/nvml/"):
+            continue
+        for imp in imports_of(root, path):
+            named = [imp.module] if imp.module.startswith("agent.nvml.") else [
+                f"{imp.module}.{name}" for name in imp.names]
+            parts = [m for m in named if m.startswith("agent.nvml.fake_")]
+            problems += [f"{rel}:{imp.line} imports {part} (use agent.nvml.fake)" for part in parts]
+    return problems
+
+
 def pure_modules(root: Path) -> list[Path]:
     found: list[Path] = []
     for pattern in PURE:
@@ -235,6 +252,8 @@ FIXTURE = {
     "agent/nvml/catalog.py": "import math\n",
     "agent/deviceplugin/__init__.py": "",
     "agent/deviceplugin/dirwatch.py": "import ctypes.util\nimport pynvml\n",
+    "agent/simulate.py": "from agent.nvml.fake import FakeNvml\nfrom agent.nvml.fake_mig import FakeMig\n"
+                         "from agent.nvml import fake_state\n",
     "agent/state.py": (
         "import asyncio\nimport threading\nimport time\nfrom os import path\nfrom .config import X\n\n"
         "a = asyncio.Condition()\nb = threading.Condition()\nc = threading.Thread\n"
@@ -261,6 +280,14 @@ def test_the_checker_finds_native_imports_outside_the_nvml_package(tmp_path: Pat
         "agent/deviceplugin/dirwatch.py:2 imports pynvml (only agent/nvml/ may)",
         "agent/mig/applier.py:1 imports pynvml (only agent/nvml/ may)",
         "agent/mig/applier.py:4 imports ctypes (only agent/nvml/ may)",
+    ]
+
+
+def test_the_checker_finds_parts_of_the_fake_imported_outside_the_nvml_package(tmp_path: Path) -> None:
+    write_fixture(tmp_path, FIXTURE)
+    assert fake_part_violations(tmp_path) == [
+        "agent/simulate.py:2 imports agent.nvml.fake_mig (use agent.nvml.fake)",
+        "agent/simulate.py:3 imports agent.nvml.fake_state (use agent.nvml.fake)",
     ]
 
 
@@ -292,6 +319,10 @@ def test_a_missing_pure_module_is_an_error_not_a_pass(tmp_path: Path) -> None:
 
 def test_only_the_nvml_package_imports_pynvml_or_ctypes() -> None:
     assert native_violations(REPO) == []
+
+
+def test_the_fake_nvml_is_reached_only_through_its_entry_point() -> None:
+    assert fake_part_violations(REPO) == []
 
 
 def test_each_native_exception_is_still_needed() -> None:

@@ -1,0 +1,364 @@
+"""The fake NVML's pynvml call surface outside MIG and telemetry: init and system, enumeration and identity,
+topology and NVLink, events, health."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pynvml
+
+from agent.nvml.catalog import MIB
+from agent.nvml.fake_handles import _KIND_EVENT_SET, _KIND_MIG, _PCIE_TOPOLOGY, _Ref, _text_arg
+from agent.nvml.fake_mig import FakeMig
+from agent.nvml.fake_state import _api, _EventSet, _nvml_error
+from agent.nvml.nodefile import normalize_bus_id
+
+SUPPORTED_EVENTS = (
+    pynvml.nvmlEventTypeSingleBitEccError
+    | pynvml.nvmlEventTypeDoubleBitEccError
+    | pynvml.nvmlEventTypePState
+    | pynvml.nvmlEventTypeXidCriticalError
+    | pynvml.nvmlEventTypeClock
+)
+
+
+_CROSS_PROCESS_POLL_S = 0.05
+
+
+class FakeCalls(FakeMig):
+    """The pynvml calls outside MIG and telemetry."""
+
+    # --- init and system ---------------------------------------------------------------------------
+
+    @_api()
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        if not self._state.driver_loaded:
+            raise _nvml_error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        self._refcount += 1
+
+    @_api()
+    def nvmlInit(self) -> None:
+        self.nvmlInitWithFlags(0)
+
+    @_api()
+    def nvmlShutdown(self) -> None:
+        self._refcount -= 1
+
+    @_api()
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.spec.driver_version
+
+    @_api()
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self.spec.cuda_driver_version
+
+    @_api()
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return self.spec.cuda_driver_version
+
+    @_api()
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        return f"{self.spec.cuda_version.split('.')[0]}.{self.spec.driver_version}"
+
+    # --- enumeration and identity ------------------------------------------------------------------
+
+    @_api()
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.spec.gpus)
+
+    @_api()
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if not 0 <= index < len(self.spec.gpus):
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self._gpu_state(index).lost:
+            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._gpu_handle(index)
+
+    @_api()
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
+        text = _text_arg(uuid)
+        gpu = self._by_uuid.get(text)
+        if gpu is not None:
+            if self._gpu_state(gpu.index).lost:
+                raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            return self._gpu_handle(gpu.index)
+        for g in self.spec.gpus:
+            for gi, ci in self._mig_devices(g.index):
+                if self.mig_uuid(g.index, gi.id, ci.id) == text:
+                    if self._gpu_state(g.index).lost:
+                        raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+                    return self._mig_handle(g.index, gi, ci)
+        raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+
+    @_api()
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
+        bus_id = normalize_bus_id(_text_arg(pciBusId))
+        gpu = self._by_bus.get(bus_id) if bus_id is not None else None
+        if gpu is None:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        if self._gpu_state(gpu.index).lost:
+            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._gpu_handle(gpu.index)
+
+    @_api()
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        ref = self._device(handle, allow_mig=True)
+        if ref.kind == _KIND_MIG:
+            return self.mig_uuid(ref.gpu, ref.gi, ref.ci)
+        return self.spec.gpus[ref.gpu].uuid
+
+    @_api()
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        ref = self._device(handle, allow_mig=True)
+        model = self._model(ref)
+        if ref.kind == _KIND_MIG:
+            gi, _ = self._mig_parts(ref)
+            return f"{model.nvml_name} MIG {self._profile_for(gi, model).name}"
+        return model.nvml_name
+
+    @_api()
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        return self._device(handle).gpu
+
+    @_api()
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        return self.spec.gpus[self._device(handle).gpu].minor_number
+
+    @_api()
+    def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
+        self._device(handle)
+        return int(pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)  # bare metal
+
+    @_api()
+    def nvmlDeviceGetSerial(self, handle: Any) -> str:
+        return self.spec.gpus[self._device(handle).gpu].serial
+
+    @_api()
+    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
+        return self._pci_info(self.spec.gpus[self._device(handle).gpu])
+
+    @_api()
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        return self.nvmlDeviceGetPciInfo_v3(handle)
+
+    @_api()
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        ref = self._device(handle, allow_mig=True)
+        model = self._model(ref)
+        if ref.kind == _KIND_MIG:
+            gi, _ = self._mig_parts(ref)
+            total = self._profile_for(gi, model).memory_size_mib * MIB
+        else:
+            total = model.memory_mib * MIB
+        mig_uuid = self.mig_uuid(ref.gpu, ref.gi, ref.ci) if ref.kind == _KIND_MIG else None
+        used, reserved = self._live_memory(ref.gpu, total, mig_uuid)
+        if not version:
+            return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+        if version != pynvml.nvmlMemory_v2:
+            raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved,
+                                        free=total - used - reserved, used=used)
+
+    @_api()
+    def nvmlDeviceGetArchitecture(self, handle: Any) -> int:
+        return self._model(self._device(handle, allow_mig=True)).architecture
+
+    @_api()
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        return self._model(self._device(handle, allow_mig=True)).compute_capability
+
+    @_api()
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        # Only GPUs that are NUMA nodes themselves (coherent platforms) answer; these x86 nodes do not.
+        self._device(handle)
+        raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    @_api()
+    def nvmlDeviceGetAttributes(self, handle: Any) -> Any:
+        ref = self._device(handle, allow_mig=True)
+        model = self._model(ref)
+        attrs = pynvml.c_nvmlDeviceAttributes()
+        if ref.kind == _KIND_MIG:
+            gi, _ = self._mig_parts(ref)
+            profile = self._profile_for(gi, model)
+            attrs.multiprocessorCount = profile.multiprocessor_count
+            attrs.sharedCopyEngineCount = profile.copy_engines
+            attrs.sharedDecoderCount = profile.decoders
+            attrs.sharedEncoderCount = profile.encoders
+            attrs.sharedJpegCount = profile.jpegs
+            attrs.sharedOfaCount = profile.ofas
+            attrs.gpuInstanceSliceCount = profile.slice_count
+            attrs.computeInstanceSliceCount = profile.slice_count
+            attrs.memorySizeMB = profile.memory_size_mib
+            return attrs
+        attrs.multiprocessorCount = model.multiprocessor_count
+        attrs.memorySizeMB = model.memory_mib
+        return attrs
+
+    # --- topology and NVLink -----------------------------------------------------------------------
+
+    @_api()
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
+        a, b = self._device(device1).gpu, self._device(device2).gpu
+        if a == b:
+            return int(pynvml.NVML_TOPOLOGY_INTERNAL)
+        return int(_PCIE_TOPOLOGY[self.spec.pcie_level(a, b)])
+
+    @_api()
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        _, end = self._link_end(device, link)
+        return int(pynvml.NVML_FEATURE_DISABLED if end is None else pynvml.NVML_FEATURE_ENABLED)
+
+    @_api()
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
+        gpu, end = self._active_link(device, link)
+        if end.to_switch:
+            return self._switch_pci_info(gpu, end.peer)
+        return self._pci_info(self.spec.gpus[end.peer])
+
+    @_api()
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        _, end = self._active_link(handle, link)
+        kind = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH if end.to_switch else pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+        return int(kind)
+
+    # --- events ------------------------------------------------------------------------------------
+
+    @_api()
+    def nvmlEventSetCreate(self) -> Any:
+        key = self._next_event_set
+        self._next_event_set += 1
+        self._event_sets[key] = _EventSet()
+        return _Ref(_KIND_EVENT_SET, token=key).handle(pynvml.c_nvmlEventSet_t)
+
+    @_api()
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        self._device(handle)
+        return int(SUPPORTED_EVENTS)
+
+    @_api()
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        ref = self._device(handle)
+        event_set = self._event_set(eventSet)
+        if eventTypes & ~SUPPORTED_EVENTS:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set.registrations[ref.gpu] = event_set.registrations.get(ref.gpu, 0) | eventTypes
+
+    @_api()
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        """Block up to ``timeoutms`` for an event (the lock is released while waiting); Timeout if none."""
+        event_set = self._event_set(eventSet)
+        deadline = time.monotonic() + max(0, timeoutms) / 1000
+        while True:
+            if event_set.freed:
+                raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            if event_set.queue:
+                record = event_set.queue.popleft()
+                data = pynvml.c_nvmlEventData_t()
+                gpu = self._by_uuid[record.gpu_uuid]
+                data.device = self._gpu_handle(gpu.index)
+                data.eventType = record.event_type
+                data.eventData = record.data
+                data.gpuInstanceId = record.gpu_instance
+                data.computeInstanceId = record.compute_instance
+                return data
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _nvml_error(pynvml.NVML_ERROR_TIMEOUT)
+            if self.state_file is None:
+                self._events_ready.wait(remaining)
+            else:
+                # Another process may add events to the file: look at it now and then.
+                self._events_ready.wait(min(remaining, _CROSS_PROCESS_POLL_S))
+                self._sync()
+
+    @_api()
+    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+
+    @_api()
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        event_set = self._event_set(eventSet)
+        event_set.freed = True
+        self._events_ready.notify_all()
+
+    # --- health ------------------------------------------------------------------------------------
+
+    @_api()
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
+        state = self._gpu_state(self._device(handle).gpu)
+        corrected = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+        uncorrected = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        volatile, aggregate = pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
+        counters = {
+            (corrected, volatile): state.ecc_corrected_volatile,
+            (corrected, aggregate): state.ecc_corrected_aggregate,
+            (uncorrected, volatile): state.ecc_uncorrected_volatile,
+            (uncorrected, aggregate): state.ecc_uncorrected_aggregate,
+        }
+        if (errorType, counterType) not in counters:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return counters[errorType, counterType]
+
+    @_api()
+    def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
+        self._device(handle)
+        return [pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_ENABLED]
+
+    @_api()
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: Any) -> int:
+        """Page retirement is the pre-Ampere mechanism; Ampere and later remap rows instead."""
+        ref = self._device(device)
+        if self._model(ref).architecture >= pynvml.NVML_DEVICE_ARCH_AMPERE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(self._gpu_state(ref.gpu).retired_pages_pending)
+
+    @_api()
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
+        """Ampere and later; not on a MIG-enabled GPU while it has GPU instances."""
+        ref = self._device(device)
+        state = self._gpu_state(ref.gpu)
+        if self._model(ref).architecture < pynvml.NVML_DEVICE_ARCH_AMPERE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE and state.gpu_instances:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return (state.remapped_correctable, state.remapped_uncorrectable,
+                int(state.remap_pending), int(state.remap_failure))
+
+    @_api()
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        return self._gpu_state(self._device(handle).gpu).clocks_event_reasons
+
+    @_api()
+    def nvmlDeviceGetTemperatureV(
+        self, handle: Any, sensor: int, version: int = pynvml.nvmlTemperature_v1
+    ) -> int:
+        if version != pynvml.nvmlTemperature_v1:
+            raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        return self._temperature(handle, sensor)
+
+    @_api()
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        return self._temperature(handle, sensor)
+
+    def _temperature(self, handle: Any, sensor: int) -> int:
+        ref = self._device(handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._live_temperature(ref.gpu, self._gpu_state(ref.gpu).temperature_c)
+
+    @_api()
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        ref = self._device(handle)
+        return self._live_power_mw(ref.gpu, self._gpu_state(ref.gpu).power_mw)
+
+    @_api()
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        """Busy percentages over the last sample period; NotSupported with MIG on, as on real GPUs."""
+        ref = self._device(handle)
+        state = self._gpu_state(ref.gpu)
+        if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
+            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.c_nvmlUtilization_t(*self._live_utilization(ref.gpu, state.utilization_gpu,
+                                                                  state.utilization_memory))
