@@ -209,19 +209,22 @@ def io_violations(root: Path, path: Path) -> list[str]:
 
 
 def native_reached(root: Path, path: Path) -> list[str]:
-    """pynvml or ctypes loaded by importing a module, with the chain of the tree's modules that loads it."""
+    """pynvml or ctypes loaded by importing a module, each with the shortest chain of the tree's modules that
+    loads it."""
     start = module_name(root, path)
     chains = {start: [start]}
     queue = [start, *loaded_with(root, Import(start, (), 0))[:-1]]
     for package in queue[1:]:
         chains[package] = [package]
     problems = []
+    reported: set[str] = set()
     while queue:
         current = queue.pop(0)
         source = source_of(root, current)
         assert source is not None
         for imp in imports_of(root, source):
-            if imp.top in NATIVE:
+            if imp.top in NATIVE and imp.top not in reported:
+                reported.add(imp.top)
                 problems.append(f"{path.relative_to(root).as_posix()} loads {imp.module} through "
                                 f"{' -> '.join(chains[current])}")
             for module in loaded_with(root, imp):
@@ -352,3 +355,23 @@ def test_the_catalogs_nvml_numbers_are_pynvmls() -> None:
     written = {name: value for name, value in vars(catalog).items() if name.startswith("NVML_")}
     assert len(written) == 16
     assert {name: getattr(pynvml, name) for name in written} == written
+
+
+def test_an_nvml_error_in_a_mig_call_leaves_the_boundary_as_mig_call_error_with_nvmls_message() -> None:
+    import pynvml
+
+    from agent.nvml.backend import MigCallError, MigOps, fake_backend
+    from agent.nvml.fake import FakeNvml
+    from agent.nvml.nodefile import load_node
+
+    fake = FakeNvml(load_node("dgx-h100"))
+    backend = fake_backend(fake)
+    backend.init()
+    fake.fail_next("nvmlDeviceGetMigMode", pynvml.NVML_ERROR_UNKNOWN)
+    with pytest.raises(MigCallError) as caught:
+        MigOps(backend).state(0)
+    assert str(caught.value) == "Unknown Error"
+    assert not isinstance(caught.value, pynvml.NVMLError)
+    assert isinstance(caught.value.__cause__, pynvml.NVMLError_Unknown)
+    # The next call goes through: the wrapper changed the error's type, not the state.
+    assert MigOps(backend).state(0).name == "NVIDIA H100 80GB HBM3"
