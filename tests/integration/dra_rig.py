@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from apiserver import TESTBIN, ApiServer, _spawn, _stop_group, wait_until
+import yaml
+from apiserver import REPO, TESTBIN, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
 
 from agent.config import parse_config
@@ -32,15 +33,21 @@ NAMESPACE = "dra-test"
 AGENT_NAMESPACE = "gpu-node-agent-dra"
 AGENT_ACCOUNT = "gpu-node-agent"
 
+
+
+SHIPPED = REPO / "deployments" / "dra"
+
+
+def shipped(name: str) -> list[dict[str, Any]]:
+    """The objects of one file of deployments/dra/."""
+    return [doc for doc in yaml.safe_load_all((SHIPPED / name).read_text()) if doc]
+
+
 AGENT_RULES = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": [GROUP], "resources": ["resourceslices"],
-     "verbs": ["get", "list", "watch", "create", "update", "delete"]},
-    {"apiGroups": [GROUP], "resources": ["resourceclaims"], "verbs": ["get"]},
+    *yaml.safe_load((REPO / "daemonset" / "clusterrole.yaml").read_text())["rules"],
+    *shipped("clusterrole.yaml")[0]["rules"],
 ]
-"""The DaemonSet's ClusterRole plus what DRA mode adds: the node's ResourceSlice, reading claims."""
+"""The DaemonSet's ClusterRole and what DRA mode adds (deployments/dra/clusterrole.yaml)."""
 
 
 @dataclass
@@ -96,16 +103,13 @@ def setup_cluster(apiserver: ApiServer) -> None:
     with contextlib.suppress(k8s.ApiException):  # no controller-manager makes it here
         core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "default"}})
     with contextlib.suppress(k8s.ApiException):
-        custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "DeviceClass", "metadata": {"name": DEVICE_CLASS},
-            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]},
-        })
+        custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", shipped("deviceclass.yaml")[0])
     with contextlib.suppress(k8s.ApiException):
-        rbac.create_cluster_role({"metadata": {"name": "gpu-node-agent-dra"}, "rules": AGENT_RULES})
+        rbac.create_cluster_role({"metadata": {"name": "dra-rig-agent"}, "rules": AGENT_RULES})
     with contextlib.suppress(k8s.ApiException):
         rbac.create_cluster_role_binding({
-            "metadata": {"name": "gpu-node-agent-dra"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "gpu-node-agent-dra"},
+            "metadata": {"name": "dra-rig-agent"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "dra-rig-agent"},
             "subjects": [{"kind": "ServiceAccount", "name": AGENT_ACCOUNT, "namespace": AGENT_NAMESPACE}],
         })
 
