@@ -270,7 +270,7 @@ def cmd_mig(args: argparse.Namespace) -> int:
     from agent.mig.applier import Journal, apply_layout, plan_layout, planned_steps
     from agent.mig.layout import LayoutError, load_layouts
     from agent.mig.planner import PlanError
-    from agent.nvml.backend import MigOps, NvmlUnavailable
+    from agent.nvml.backend import MigCallError, MigOps, NvmlUnavailable
 
     try:
         layout = load_layouts(args.mig_config).layout(args.layout)
@@ -357,6 +357,8 @@ def cmd_mig(args: argparse.Namespace) -> int:
             print(plan.selects_nothing or f"layout {layout.name!r} is applied" if done else
                   f"layout {layout.name!r} is not applied; to do:\n" + "\n".join(steps))
         return 0 if args.action == "plan" or done else EXIT_ERROR
+    except MigCallError as err:
+        raise CliError(f"NVML error: {err}") from None
     finally:
         backend.shutdown()
 
