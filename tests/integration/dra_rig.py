@@ -244,21 +244,23 @@ def remove_workloads(apiserver: ApiServer) -> None:
 
 @contextlib.asynccontextmanager
 async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: str, root: Path | None = None,
-                    fake: FakeNvml | None = None, keep: bool = False) -> AsyncIterator[tuple[Agent, FakeNvml]]:
+                    fake: FakeNvml | None = None, keep: bool = False, config: str = ""
+                    ) -> AsyncIterator[tuple[Agent, FakeNvml]]:
     """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it (unless `keep`
     and it exists). Under `root` (a fresh short directory by default): the kubelet's directory
-    (kubelet/device-plugins, kubelet/plugins_registry, kubelet/plugins/<driver>/) and the CDI directory (cdi)."""
+    (kubelet/device-plugins, kubelet/plugins_registry, kubelet/plugins/<driver>/) and the CDI directory (cdi).
+    `config` adds top-level sections to the agent's config."""
     if not (keep and await asyncio.to_thread(node_exists, apiserver, node)):
         await asyncio.to_thread(create_schedulable_node, apiserver, node)
     directory = root or short_dir()
     kubelet_dir = directory / "kubelet" / "device-plugins"
     kubelet_dir.mkdir(parents=True, exist_ok=True)
-    config = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi}}\n"
-                          f"mig: {{stateDir: {directory}/state}}\nhealth: {{sampleIntervalSeconds: 0.1}}\n")
+    in_force = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi}}\n"
+                            f"mig: {{stateDir: {directory}/state}}\nhealth: {{sampleIntervalSeconds: 0.1}}\n{config}")
     fake = fake or FakeNvml(load_node(preset))
     api = await NodeApi.connect(kubeconfig, node)
     agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=kubelet_dir, metrics_port=None, kube=api))
+                  AgentOptions(config=in_force, kubelet_dir=kubelet_dir, metrics_port=None, kube=api))
     try:
         await agent.start()
         assert agent.slices is not None

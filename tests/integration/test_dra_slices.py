@@ -5,6 +5,7 @@ claims by the real kube-controller-manager), for pods bound to Nodes made here."
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ from dra_rig import (
     unschedulable,
 )
 from kubernetes import client as k8s
+
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.simulate import StandInKubelet
+from tests.plugin_harness import carve_mig, short_dir
 
 LOOSE = str(REPO / "tests" / "fixtures" / "dra" / "one-pair-two-loose.yaml")
 PAIR = f"{DRIVER}/nvlinkPair"
@@ -78,7 +84,7 @@ BEST_TOPOLOGY_FIRST = {"devices": {
 
 async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
         apiserver: ApiServer, agent_kubeconfig: Path) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-h100", "dgx-h100") as (agent, fake):
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-h100", "dgx-h100") as (_, fake):
         (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-h100")
         assert found["metadata"]["name"] == "dra-h100-gpu.gpu-node-agent.io"
         assert found["spec"]["driver"] == DRIVER
@@ -90,8 +96,6 @@ async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
         assert gpu4["attributes"]["cudaComputeCapability"] == {"version": "9.0.0"}
         assert gpu4["capacity"] == {"memory": {"value": "81559Mi"}, "multiprocessors": {"value": "132"}}
         assert list(devices(found)) == [f"gpu-{i}" for i in range(8)]
-        # The kubelet plugin API is not in this release: no nvidia.com/gpu device plugin is registered either.
-        assert agent.plugins is not None and agent.plugins.plugins == {}
 
         fake.inject_xid(3, 48)  # a double-bit ECC error: the GPU is unhealthy
 
@@ -174,3 +178,24 @@ async def test_first_available_falls_back_to_any_two(
         await asyncio.to_thread(create_pod, apiserver, "any-best", "any-best")
         assert await asyncio.to_thread(allocated, apiserver, "any-best") == (
             "dra-any", [("gpus/any", "dra-any", "gpu-0"), ("gpus/any", "dra-any", "gpu-2")])
+
+
+async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
+        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    root = short_dir()
+    kubelet = StandInKubelet(root / "kubelet" / "device-plugins")
+    (root / "kubelet" / "device-plugins").mkdir(parents=True)
+    await kubelet.start()
+    fake = FakeNvml(load_node("dgx-h100"))
+    carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])
+    try:
+        async with dra_agent(apiserver, agent_kubeconfig, "dra-mixed", "dgx-h100", root=root, fake=fake,
+                             config="flags: {migStrategy: mixed}\n"):
+            await kubelet.wait_for({"nvidia.com/mig-3g.40gb"}, 20)
+            assert sorted(kubelet.plugins) == ["nvidia.com/mig-3g.40gb"]
+            assert len(kubelet.plugins["nvidia.com/mig-3g.40gb"].devices) == 2
+            (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-mixed")
+            assert list(devices(found)) == [f"gpu-{i}" for i in range(7)]  # GPU 7 is in MIG mode
+    finally:
+        await kubelet.stop()
+        shutil.rmtree(root, ignore_errors=True)
