@@ -43,6 +43,12 @@ def shipped(name: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all((SHIPPED / name).read_text()) if doc]
 
 
+def example(name: str) -> dict[str, Any]:
+    """The claim spec of a ResourceClaimTemplate in deployments/dra/examples/."""
+    spec: dict[str, Any] = shipped(f"examples/{name}")[0]["spec"]["spec"]
+    return spec
+
+
 AGENT_RULES = [
     *yaml.safe_load((REPO / "daemonset" / "clusterrole.yaml").read_text())["rules"],
     *shipped("clusterrole.yaml")[0]["rules"],

@@ -25,6 +25,7 @@ from dra_rig import (
     create_pod,
     create_template,
     dra_agent,
+    example,
     setup_cluster,
     slices_of,
     unschedulable,
@@ -71,15 +72,9 @@ def pinned(*indices: int) -> dict[str, Any]:
 
 ON_ONE_PAIR = {"devices": {"requests": [two()], "constraints": [{"requests": ["gpus"], "matchAttribute": PAIR}]}}
 
-BEST_TOPOLOGY_FIRST = {"devices": {
-    "requests": [{"name": "gpus", "firstAvailable": [
-        {"name": sub, "deviceClassName": DEVICE_CLASS, "count": 2} for sub in ("pair", "numa", "any")]}],
-    "constraints": [
-        {"requests": ["gpus/pair"], "matchAttribute": PAIR},
-        {"requests": ["gpus/numa"], "matchAttribute": f"{DRIVER}/numaNode"},
-    ],
-}}
-"""2 GPUs: an NVLink pair, else two on one NUMA node, else any two."""
+BEST_TOPOLOGY_FIRST = example("two-gpus-best-topology.yaml")
+"""2 GPUs: an NVLink pair, else two on one NUMA node, else any two (the shipped template's claim spec)."""
+ONE_DOMAIN = example("two-gpus-one-nvlink-domain.yaml")
 
 
 async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
@@ -199,3 +194,24 @@ async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
     finally:
         await kubelet.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_the_shipped_domain_template_on_an_nvswitch_box_and_on_bridged_pairs(
+        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-domain", "dgx-h100"):
+        await asyncio.to_thread(create_template, apiserver, "domain", ONE_DOMAIN)
+        # GPUs 0 and 1 are taken: any two others reach each other through the NVSwitches.
+        await asyncio.to_thread(create_claim, apiserver, "domain-held", pinned(0, 1))
+        await asyncio.to_thread(create_pod, apiserver, "domain-held", "domain-held")
+        await asyncio.to_thread(allocated, apiserver, "domain-held")
+        await asyncio.to_thread(create_pod, apiserver, "domain-two", template="domain")
+        assert await asyncio.to_thread(allocated, apiserver, "domain-two") == (
+            "dra-domain", [("gpus", "dra-domain", "gpu-2"), ("gpus", "dra-domain", "gpu-3")])
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-domain-pairs", "a100-pcie-nvlink-pairs"):
+        await asyncio.to_thread(create_template, apiserver, "domain", ONE_DOMAIN)
+        await asyncio.to_thread(create_claim, apiserver, "domain-gpu1", pinned(1))
+        await asyncio.to_thread(create_pod, apiserver, "domain-gpu1", "domain-gpu1")
+        await asyncio.to_thread(allocated, apiserver, "domain-gpu1")
+        await asyncio.to_thread(create_pod, apiserver, "domain-pair", template="domain")
+        assert await asyncio.to_thread(allocated, apiserver, "domain-pair") == (
+            "dra-domain-pairs", [("gpus", "dra-domain-pairs", "gpu-2"), ("gpus", "dra-domain-pairs", "gpu-3")])
