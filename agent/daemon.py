@@ -305,7 +305,7 @@ class Agent:
                     self.dra_plugin = DraKubeletPlugin(
                         Paths.under(opts.kubelet_dir.parent, dra.driver_name, dra.cdi_root), dra.driver_name,
                         self.slices.node, bus, claim_reader(self.slices), files.control_nodes,
-                        opts.config.flags.dev_root, self.slices.republish)
+                        opts.config.flags.dev_root, self.slices.republish, files.mig_minors)
                 except ClaimError as err:
                     raise StartupError(str(err)) from None
                 await self.dra_plugin.start()

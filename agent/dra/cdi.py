@@ -27,22 +27,23 @@ def cdi_id(driver: str, name: str) -> str:
     return f"{cdi_kind(driver)}={name}"
 
 
-def claim_spec(driver: str, claim_uid: str, gpus: Sequence[tuple[str, str, int]], control_nodes: Sequence[str],
-               dev_root: Path) -> dict[str, Any]:
-    """The spec for one claim's GPUs, given as (device name, GPU UUID, minor): a device per GPU with its device
-    node, and one for the claim with the control device nodes and NVIDIA_VISIBLE_DEVICES naming every GPU of
-    the claim (so that a container given all of the claim's devices sees each GPU once)."""
+def claim_spec(driver: str, claim_uid: str, devices: Sequence[tuple[str, str, Sequence[str]]],
+               control_nodes: Sequence[str], dev_root: Path) -> dict[str, Any]:
+    """The spec for one claim's devices, given as (device name, GPU or MIG UUID, device nodes): a CDI device
+    per device with its device nodes, and one for the claim with the control device nodes and
+    NVIDIA_VISIBLE_DEVICES naming every device of the claim (so that a container given all of the claim's CDI
+    devices sees each once)."""
 
     def node(path: str) -> dict[str, str]:
         host = str(dev_root / path.lstrip("/"))
         return {"path": path} if host == path else {"path": path, "hostPath": host}
 
-    devices: list[dict[str, Any]] = [
-        {"name": gpu_device_name(claim_uid, name), "containerEdits": {"deviceNodes": [node(f"/dev/nvidia{minor}")]}}
-        for name, _, minor in gpus
+    listed: list[dict[str, Any]] = [
+        {"name": gpu_device_name(claim_uid, name), "containerEdits": {"deviceNodes": [node(p) for p in nodes]}}
+        for name, _, nodes in devices
     ]
-    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={','.join(uuid for _, uuid, _ in gpus)}"]}
+    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={','.join(uuid for _, uuid, _ in devices)}"]}
     if control_nodes:
         claim_edits["deviceNodes"] = [node(p) for p in control_nodes]
-    devices.append({"name": claim_device_name(claim_uid), "containerEdits": claim_edits})
-    return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": devices}
+    listed.append({"name": claim_device_name(claim_uid), "containerEdits": claim_edits})
+    return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": listed}

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ import grpc
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.pluginregistration import api_pb2 as reg
 from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
+from agent.dra.slices import mig_device_name
 from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
@@ -134,13 +135,15 @@ class DraKubeletPlugin:
     """Registration and DRA services on their unix sockets."""
 
     def __init__(self, paths: Paths, driver: str, node: str, bus: StateBus, claims: ClaimReader,
-                 control_nodes: Sequence[str], dev_root: Path, on_registered: Callable[[], None]) -> None:
+                 control_nodes: Sequence[str], dev_root: Path, on_registered: Callable[[], None],
+                 mig_minors: Mapping[str, int] | None = None) -> None:
         self.paths = paths
         self.driver = driver
         self.node = node
         self._bus = bus
         self._claims = claims
         self._control_nodes = tuple(control_nodes)
+        self._mig_minors = dict(mig_minors or {})
         self._dev_root = dev_root
         self._on_registered = on_registered
         self.store = ClaimStore(paths, driver)
@@ -203,14 +206,14 @@ class DraKubeletPlugin:
             raise ClaimError(f"{where}: not allocated")
         results = [r for r in (allocation.get("devices") or {}).get("results") or []
                    if r.get("driver") == self.driver and r.get("pool") == self.node]
-        gpus = {f"gpu-{g.index}": g for g in self._bus.current.inventory.gpus}
+        known = self._devices()
         picked: dict[str, list[str]] = {}
         for result in results:
             device = str(result.get("device"))
-            if device not in gpus:
-                raise ClaimError(f"{where}: device {device} is not a GPU of node {self.node}")
+            if device not in known:
+                raise ClaimError(f"{where}: device {device} is not a device of node {self.node}")
             picked.setdefault(device, []).append(str(result.get("request")))
-        listed = [(device, gpus[device].uuid, gpus[device].minor) for device in sorted(picked)]
+        listed = [(device, *known[device]) for device in sorted(picked)]
         spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root)
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
@@ -219,6 +222,19 @@ class DraKubeletPlugin:
         self.store.put(uid, namespace, name, prepared, spec)
         log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
         return prepared
+
+    def _devices(self) -> dict[str, tuple[str, list[str]]]:
+        """Every device the slice can name, by device name: the UUID to make visible and its device nodes (for a
+        MIG device its GPU's and its capability nodes, as NVIDIA's device plugin passes them)."""
+        inventory = self._bus.current.inventory
+        known = {f"gpu-{g.index}": (g.uuid, [f"/dev/nvidia{g.minor}"]) for g in inventory.gpus}
+        minors = {g.index: g.minor for g in inventory.gpus}
+        for mig in inventory.mig_devices:
+            gpu = f"gpu{minors[mig.parent_index]}/gi{mig.gpu_instance_id}"
+            wanted = (f"{gpu}/access", f"{gpu}/ci{mig.compute_instance_id}/access")
+            caps = [f"/dev/nvidia-caps/nvidia-cap{self._mig_minors[cap]}" for cap in wanted if cap in self._mig_minors]
+            known[mig_device_name(mig)] = (mig.uuid, [f"/dev/nvidia{minors[mig.parent_index]}", *caps])
+        return known
 
     def unprepare(self, uid: str) -> None:
         if self.store.get(uid) is not None:

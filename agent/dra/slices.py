@@ -2,8 +2,10 @@
 
 One pool per node, one slice in it. Per GPU a device named gpu-<index> with the attributes NVIDIA's DRA driver
 publishes under the same names (in this driver's domain), the standard PCI attributes, the NUMA node and the
-NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`. Unhealthy GPUs,
-GPUs whose MIG layout is changing and MIG-enabled GPUs (their MIG devices are not published yet) are left out.
+NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`; per MIG device of a
+MIG-enabled GPU a device named gpu-<index>-mig-<gi>-<ci> with its profile, parent and placement, its GPU's
+model, driver and topology attributes, and its memory and engines. The devices of unhealthy GPUs and of GPUs
+whose MIG layout is changing are left out.
 """
 
 from __future__ import annotations
@@ -53,6 +55,39 @@ class GpuInfo(Protocol):
     def numa_node(self) -> int | None: ...
     @property
     def mig_enabled(self) -> bool: ...
+
+
+class MigInfo(Protocol):
+    """What the slice needs of one MIG device of the inventory."""
+
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def parent_index(self) -> int: ...
+    @property
+    def gpu_instance_id(self) -> int: ...
+    @property
+    def compute_instance_id(self) -> int: ...
+    @property
+    def profile(self) -> str: ...
+    @property
+    def memory_mib(self) -> int: ...
+    @property
+    def placement_start(self) -> int: ...
+    @property
+    def placement_size(self) -> int: ...
+    @property
+    def multiprocessors(self) -> int: ...
+    @property
+    def copy_engines(self) -> int: ...
+    @property
+    def decoders(self) -> int: ...
+    @property
+    def encoders(self) -> int: ...
+    @property
+    def jpegs(self) -> int: ...
+    @property
+    def ofas(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -137,14 +172,24 @@ def published_gpus(state: NodeState) -> list[GpuInfo]:
             if state.gpu_health(g.uuid).healthy and g.uuid not in state.draining and not g.mig_enabled]
 
 
-def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
+def mig_device_name(mig: MigInfo) -> str:
+    """gpu-<parent index>-mig-<GPU instance id>-<compute instance id>."""
+    return f"gpu-{mig.parent_index}-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"
+
+
+def published_migs(state: NodeState) -> list[tuple[GpuInfo, MigInfo]]:
+    """The MIG devices the slice carries, with their GPU: those of MIG-enabled GPUs that are healthy and whose
+    layout is not being changed."""
+    parents = {g.index: g for g in state.inventory.gpus
+               if g.mig_enabled and state.gpu_health(g.uuid).healthy and g.uuid not in state.draining}
+    return [(parents[m.parent_index], m) for m in state.inventory.mig_devices if m.parent_index in parents]
+
+
+def _common(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, dict[str, Any]]:
+    """The attributes a GPU and its MIG devices share: the model, the driver, where the GPU sits."""
     driver = state.inventory.driver
     major, minor = gpu.compute_capability
     attributes: dict[str, dict[str, Any]] = {
-        "type": {"string": "gpu"},
-        "uuid": {"string": gpu.uuid},
-        "index": {"int": gpu.index},
-        "minor": {"int": gpu.minor},
         "productName": {"string": gpu.name},
         "architecture": {"string": ARCHITECTURE_NAMES.get(gpu.architecture, gpu.architecture.capitalize())},
         "cudaComputeCapability": {"version": f"{major}.{minor}.0"},
@@ -161,11 +206,31 @@ def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: Pcie
                       ("nvlinkDomain", cliques.domain)):
         if gpu.index in ids:
             attributes[name] = {"int": ids[gpu.index]}
+    return attributes
+
+
+def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
+    attributes: dict[str, dict[str, Any]] = {
+        "type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, "index": {"int": gpu.index},
+        "minor": {"int": gpu.minor}, **_common(gpu, state, cliques, pcie_root)}
     capacity: dict[str, dict[str, str]] = {"memory": {"value": f"{gpu.memory_mib}Mi"}}
     sms = _multiprocessors(gpu)
     if sms is not None:
         capacity["multiprocessors"] = {"value": str(sms)}
     return {"name": device_name(gpu), "attributes": attributes, "capacity": capacity}
+
+
+def mig_device(gpu: GpuInfo, mig: MigInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup
+               ) -> dict[str, Any]:
+    attributes: dict[str, dict[str, Any]] = {
+        "type": {"string": "mig"}, "uuid": {"string": mig.uuid}, "profile": {"string": mig.profile},
+        "parentUUID": {"string": gpu.uuid}, "parentIndex": {"int": gpu.index}, "parentMinor": {"int": gpu.minor},
+        "placementStart": {"int": mig.placement_start}, "placementSize": {"int": mig.placement_size},
+        **_common(gpu, state, cliques, pcie_root)}
+    counts = {"multiprocessors": mig.multiprocessors, "copyEngines": mig.copy_engines, "decoders": mig.decoders,
+              "encoders": mig.encoders, "jpegEngines": mig.jpegs, "ofaEngines": mig.ofas}
+    capacity = {"memory": {"value": f"{mig.memory_mib}Mi"}, **{k: {"value": str(v)} for k, v in counts.items()}}
+    return {"name": mig_device_name(mig), "attributes": attributes, "capacity": capacity}
 
 
 def slice_name(node: str, driver: str) -> str:
@@ -181,7 +246,8 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
         "driver": driver,
         "nodeName": node,
         "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": [gpu_device(g, state, cliques, pcie_root) for g in published_gpus(state)],
+        "devices": [*(gpu_device(g, state, cliques, pcie_root) for g in published_gpus(state)),
+                    *(mig_device(g, m, state, cliques, pcie_root) for g, m in published_migs(state))],
     }
 
 

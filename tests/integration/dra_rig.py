@@ -28,6 +28,7 @@ from tests.plugin_harness import short_dir
 
 DRIVER = "gpu.gpu-node-agent.io"
 DEVICE_CLASS = "gpu.gpu-node-agent.io"
+MIG_CLASS = "mig.gpu-node-agent.io"
 GROUP, VERSION = "resource.k8s.io", "v1"
 NAMESPACE = "dra-test"
 AGENT_NAMESPACE = "gpu-node-agent-dra"
@@ -108,8 +109,9 @@ def setup_cluster(apiserver: ApiServer) -> None:
             core.create_namespace({"metadata": {"name": namespace}})
     with contextlib.suppress(k8s.ApiException):  # no controller-manager makes it here
         core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": "default"}})
-    with contextlib.suppress(k8s.ApiException):
-        custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", shipped("deviceclass.yaml")[0])
+    for device_class in shipped("deviceclass.yaml"):
+        with contextlib.suppress(k8s.ApiException):
+            custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", device_class)
     with contextlib.suppress(k8s.ApiException):
         rbac.create_cluster_role({"metadata": {"name": "dra-rig-agent"}, "rules": AGENT_RULES})
     with contextlib.suppress(k8s.ApiException):

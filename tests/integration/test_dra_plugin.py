@@ -26,8 +26,10 @@ from dra_rig import (
     control_plane,
     create_claim,
     create_pod,
+    create_template,
     delete_node,
     dra_agent,
+    example,
     remove_workloads,
     setup_cluster,
     slices_of,
@@ -40,7 +42,9 @@ from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from tests.plugin_harness import short_dir
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from tests.plugin_harness import carve_mig, short_dir
 
 NODE = "dra-kubelet"
 # The fake's UUIDs of GPUs 0 and 1 of the a100-pcie-nvlink-pairs preset (gpu-agent inspect shows them).
@@ -165,3 +169,38 @@ async def test_registration_prepare_unprepare_and_a_restart_in_between(
     finally:
         await asyncio.to_thread(remove_workloads, apiserver)
         await asyncio.to_thread(delete_node, apiserver, NODE)
+
+
+async def test_a_mig_device_claim_is_allocated_and_prepared(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    fake = FakeNvml(load_node("dgx-h100"))
+    carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    async with dra_agent(apiserver, kubeconfig, "dra-mig", "dgx-h100", root=root, fake=fake) as (agent, _):
+        migs = {m.placement_start: m for m in agent.backend.inventory().mig_devices}
+        first = f"gpu-7-mig-{migs[0].gpu_instance_id}-{migs[0].compute_instance_id}"
+        await asyncio.to_thread(create_template, apiserver, "one-mig", example("one-mig-3g-40gb.yaml"))
+        await asyncio.to_thread(create_pod, apiserver, "mig-one", template="one-mig")
+        assert await asyncio.to_thread(allocated, apiserver, "mig-one") == ("dra-mig", [("mig", "dra-mig", first)])
+        # Whole-GPU claims never get a MIG device, and MIG claims never a whole GPU: 7 GPUs and 2 MIG devices.
+        await asyncio.to_thread(create_claim, apiserver, "seven", {"devices": {"requests": [
+            {"name": "gpus", "exactly": {"deviceClassName": DEVICE_CLASS, "count": 7}}]}})
+        await asyncio.to_thread(create_pod, apiserver, "seven", "seven")
+        assert [d for _, _, d in (await asyncio.to_thread(allocated, apiserver, "seven"))[1]] == [
+            f"gpu-{i}" for i in range(7)]
+        claim = await asyncio.to_thread(claim_of_pod, apiserver, "mig-one")
+        assert claim is not None
+        uid = claim["metadata"]["uid"]
+        async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+            answer = await v1_grpc.DRAPluginStub(channel).NodePrepareResources(v1.NodePrepareResourcesRequest(
+                claims=[v1.Claim(namespace=NAMESPACE, uid=uid, name=claim["metadata"]["name"])]), timeout=10)
+        kind = f"{DRIVER}/gpu"
+        assert answer.claims[uid].error == ""
+        assert devices_of(answer.claims[uid]) == [
+            (["mig"], "dra-mig", first, [f"{kind}=claim-{uid}-{first}", f"{kind}=claim-{uid}"])]
+        spec = json.loads((root / "cdi" / f"{DRIVER}-claim-{uid}.json").read_text())
+        assert spec["devices"] == [
+            {"name": f"claim-{uid}-{first}", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia7"}]}},
+            {"name": f"claim-{uid}", "containerEdits": {"env": [f"NVIDIA_VISIBLE_DEVICES={migs[0].uuid}"]}},
+        ]

@@ -185,12 +185,17 @@ async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
     carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])
     try:
         async with dra_agent(apiserver, agent_kubeconfig, "dra-mixed", "dgx-h100", root=root, fake=fake,
-                             config="flags: {migStrategy: mixed}\n"):
+                             config="flags: {migStrategy: mixed}\n") as (agent, _):
+            assert agent.bus is not None
             await kubelet.wait_for({"nvidia.com/mig-3g.40gb"}, 20)
             assert sorted(kubelet.plugins) == ["nvidia.com/mig-3g.40gb"]
             assert len(kubelet.plugins["nvidia.com/mig-3g.40gb"].devices) == 2
             (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-mixed")
-            assert list(devices(found)) == [f"gpu-{i}" for i in range(7)]  # GPU 7 is in MIG mode
+            # GPU 7 is in MIG mode: its two MIG devices are in the slice (and still served as mig-3g.40gb).
+            names = list(devices(found))
+            assert names[:7] == [f"gpu-{i}" for i in range(7)]
+            assert sorted(names[7:]) == sorted(f"gpu-7-mig-{m.gpu_instance_id}-{m.compute_instance_id}"
+                                               for m in agent.bus.current.inventory.mig_devices)
     finally:
         await kubelet.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -215,3 +220,4 @@ async def test_the_shipped_domain_template_on_an_nvswitch_box_and_on_bridged_pai
         await asyncio.to_thread(create_pod, apiserver, "domain-pair", template="domain")
         assert await asyncio.to_thread(allocated, apiserver, "domain-pair") == (
             "dra-domain-pairs", [("gpus", "dra-domain-pairs", "gpu-2"), ("gpus", "dra-domain-pairs", "gpu-3")])
+

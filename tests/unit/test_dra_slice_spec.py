@@ -86,7 +86,42 @@ def test_unhealthy_draining_and_mig_enabled_gpus_are_withdrawn() -> None:
     state = node("dgx-h100", mig={5: [("1g.10gb", 0)]})
     state = state.evolve(health={state.inventory.gpus[2].uuid: DeviceHealth(False, "XID 79")},
                          draining=frozenset({state.inventory.gpus[6].uuid}))
-    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == ["gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-7"]
+    # GPU 5 is MIG-enabled: its MIG device is published instead.
+    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == [
+        "gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-7", "gpu-5-mig-7-0"]
+
+
+def test_mig_devices_carry_profile_parent_placement_and_their_gpus_topology() -> None:
+    state = node("dgx-h100", mig={6: [("3g.40gb", 4), ("2g.20gb", 0)]})
+    spec = slice_spec(state, "n", DRIVER, 1)
+    assert [n for n in by_name(spec) if "mig" in n] == ["gpu-6-mig-3-0", "gpu-6-mig-2-0"]
+    mig = by_name(spec)["gpu-6-mig-2-0"]
+    assert mig["attributes"] == {
+        "type": {"string": "mig"},
+        "uuid": {"string": "MIG-9857ff08-4c70-56ee-b945-e0462515b939"},
+        "profile": {"string": "3g.40gb"},
+        "parentUUID": {"string": "GPU-d3ef7d22-95cd-bb41-f3b2-e2bbcb031151"},
+        "parentIndex": {"int": 6},
+        "parentMinor": {"int": 6},
+        "placementStart": {"int": 4},
+        "placementSize": {"int": 4},
+        "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "architecture": {"string": "Hopper"},
+        "cudaComputeCapability": {"version": "9.0.0"},
+        "driverVersion": {"version": "570.133.20"},
+        "cudaDriverVersion": {"version": "12.8.0"},
+        "resource.kubernetes.io/pciBusID": {"string": "0000:ba:00.0"},
+        "numaNode": {"int": 1},
+        "nvlinkGroup": {"int": 0},
+        "nvlinkDomain": {"int": 0},
+    }
+    # docs/reference/mig-profiles.md, H100-80GB: 3g.40gb is 39.50 GiB with 60 SMs.
+    assert mig["capacity"]["memory"] == {"value": "40448Mi"}
+    assert mig["capacity"]["multiprocessors"] == {"value": "60"}
+    # While GPU 6's layout changes, or while it is unhealthy, its MIG devices leave the slice.
+    for hidden in (state.evolve(draining=frozenset({state.inventory.gpus[6].uuid})),
+                   state.evolve(health={state.inventory.gpus[6].uuid: DeviceHealth(False, "XID 48")})):
+        assert [n for n in by_name(slice_spec(hidden, "n", DRIVER, 1)) if "mig" in n] == []
 
 
 def test_pcie_root_from_sysfs(tmp_path: Path) -> None:
@@ -124,7 +159,7 @@ def test_config_section() -> None:
 def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
     from agent.dra.cdi import claim_spec
 
-    spec = claim_spec(DRIVER, "u1", [("gpu-3", "GPU-c", 3)], ["/dev/nvidiactl", "/dev/nvidia-uvm"],
+    spec = claim_spec(DRIVER, "u1", [("gpu-3", "GPU-c", ["/dev/nvidia3"])], ["/dev/nvidiactl", "/dev/nvidia-uvm"],
                       Path("/run/nvidia/driver"))
     assert spec == {"cdiVersion": "0.6.0", "kind": "gpu.gpu-node-agent.io/gpu", "devices": [
         {"name": "claim-u1-gpu-3", "containerEdits": {"deviceNodes": [
