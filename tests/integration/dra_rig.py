@@ -264,7 +264,8 @@ async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: s
     kubelet_dir = directory / "kubelet" / "device-plugins"
     kubelet_dir.mkdir(parents=True, exist_ok=True)
     in_force = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi}}\n"
-                            f"mig: {{stateDir: {directory}/state}}\nhealth: {{sampleIntervalSeconds: 0.1}}\n{config}")
+                            f"mig: {{stateDir: {directory}/state, podResourcesSocket: {directory}/pr.sock}}\n"
+                            f"health: {{sampleIntervalSeconds: 0.1}}\n{config}")
     fake = fake or FakeNvml(load_node(preset))
     api = await NodeApi.connect(kubeconfig, node)
     agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from apiserver import REPO, ApiServer
 from dra_rig import (
@@ -34,6 +35,8 @@ from kubernetes import client as k8s
 
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.podresources_v1 import api_pb2 as pr
+from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import StandInKubelet
 from tests.plugin_harness import carve_mig, short_dir
 
@@ -55,7 +58,7 @@ def agent_kubeconfig(apiserver: ApiServer) -> Path:
 
 
 def devices(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {d["name"]: d for d in found["spec"]["devices"]}
+    return {d["name"]: d for d in found["spec"].get("devices") or []}
 
 
 def two(request: str = "gpus", **extra: Any) -> dict[str, Any]:
@@ -221,3 +224,45 @@ async def test_the_shipped_domain_template_on_an_nvswitch_box_and_on_bridged_pai
         assert await asyncio.to_thread(allocated, apiserver, "domain-pair") == (
             "dra-domain-pairs", [("gpus", "dra-domain-pairs", "gpu-2"), ("gpus", "dra-domain-pairs", "gpu-3")])
 
+
+
+class NoPods(pr_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources API on a node where no pod holds a device."""
+
+    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
+                   ) -> pr.ListPodResourcesResponse:
+        return pr.ListPodResourcesResponse()
+
+
+async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    root = short_dir()
+    server = grpc.aio.server()
+    pr_grpc.add_PodResourcesListerServicer_to_server(NoPods(), server)
+    server.add_insecure_port(f"unix://{root}/pr.sock")
+    await server.start()
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    try:
+        async with dra_agent(apiserver, agent_kubeconfig, "dra-relayout", "dgx-h100", root=root) as (agent, _):
+            (before,) = await asyncio.to_thread(slices_of, apiserver, "dra-relayout")
+            assert list(devices(before)) == [f"gpu-{i}" for i in range(8)]
+            await asyncio.to_thread(core.patch_node, "dra-relayout",
+                                    {"metadata": {"labels": {"nvidia.com/mig.config": "all-3g.40gb"}}})
+
+            async def relaid() -> dict[str, Any]:
+                while True:
+                    (now,) = await asyncio.to_thread(slices_of, apiserver, "dra-relayout")
+                    if len(now["spec"].get("devices") or []) == 16:
+                        return now
+                    await asyncio.sleep(0.1)
+
+            after = await asyncio.wait_for(relaid(), 30)
+            assert agent.bus is not None
+            assert {d["attributes"]["profile"]["string"] for d in after["spec"]["devices"]} == {"3g.40gb"}
+            assert sorted(d["attributes"]["parentIndex"]["int"] for d in after["spec"]["devices"]) == sorted(
+                [i for i in range(8)] * 2)
+            assert after["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
+            node = await asyncio.to_thread(core.read_node, "dra-relayout")
+            assert node.metadata.labels["nvidia.com/mig.config.state"] == "success"
+    finally:
+        await server.stop(None)
+        shutil.rmtree(root, ignore_errors=True)
