@@ -275,10 +275,12 @@ class PlanCache:
     """The plan of the newest state, computed once per state version for all consumers."""
 
     def __init__(self) -> None:
-        self._state: NodeState | None = None
-        self._plan = ResourcePlan()
+        self._cached: tuple[NodeState | None, ResourcePlan] = (None, ResourcePlan())
+        """(state, its plan) in one attribute: gRPC handler threads read it while the event loop replaces it."""
 
     def __call__(self, state: NodeState) -> ResourcePlan:
-        if state is not self._state:
-            self._plan, self._state = plan(state), state
-        return self._plan
+        cached_state, cached = self._cached
+        if state is not cached_state:
+            cached = plan(state)
+            self._cached = (state, cached)
+        return cached

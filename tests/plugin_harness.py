@@ -78,6 +78,9 @@ async def running_agent(
     kubelet = StandInKubelet(directory)
     if kubelet_first:
         await kubelet.start()
+    if config.mig.state_dir == DEFAULT_CONFIG.mig.state_dir:
+        # Never the host's /var/lib/gpu-node-agent: a test's MIG journal stays in its own directory.
+        config = config.model_copy(update={"mig": config.mig.model_copy(update={"state_dir": directory / "mig"})})
     options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=metrics_port, metrics_host="127.0.0.1",
                            config_path=config_path)
     agent = Agent(backend, options)

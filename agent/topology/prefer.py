@@ -27,14 +27,16 @@ class Preferences:
 
     def __init__(self, current: Callable[[], NodeState]) -> None:
         self._current = current
-        self._inventory: NodeInventory | None = None
-        self._topology: Topology | None = None
+        self._cached: tuple[NodeInventory, Topology] | None = None
+        """(inventory, its topology) in one attribute: gRPC handler threads share it."""
 
     def topology(self) -> Topology:
         inventory = self._current().inventory
-        if inventory is not self._inventory or self._topology is None:
-            self._inventory, self._topology = inventory, topology_of(inventory)
-        return self._topology
+        cached = self._cached
+        if cached is None or cached[0] is not inventory:
+            cached = (inventory, topology_of(inventory))
+            self._cached = cached
+        return cached[1]
 
     def __call__(self, resource: Resource) -> Prefer:
         if resource.sharing == "mps":
