@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	@{ $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e '.[test]'; } >$(VENV)/install.log 2>&1 \
+	  || { cat $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gpu-agent simulate --node dgx-h100
+	@$(VENV)/bin/gpu-agent simulate --node dgx-h100
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests

@@ -153,9 +153,9 @@ class FakeMig(FakeHandles):
 
     @_api(mutates=True)
     def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
-        """Returns the activation status (mig-profiles.md section 6). Hopper and later switch at once when
-        the GPU is idle; Ampere keeps the new mode pending until a GPU reset (``reset_gpu``), as does any
-        GPU with clients (``set_gpu_busy``): both report NVML_ERROR_IN_USE as the activation status.
+        """Returns the activation status (docs/reference/mig-profiles.md, "Mode changes"). Hopper and later
+        switch at once when the GPU is idle; Ampere keeps the new mode pending until a GPU reset (``reset_gpu``),
+        as does any GPU with clients (``set_gpu_busy``): both report NVML_ERROR_IN_USE as the activation status.
         Disabling MIG while GPU instances exist fails with InUse: destroy them first."""
         ref = self._device(device)
         model = self._mig_model(ref)
