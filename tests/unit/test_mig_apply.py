@@ -15,12 +15,11 @@ import pytest
 
 from agent.mig.applier import JOURNAL, ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import MigLayout, load_layouts, parse_layouts
-from agent.mig.planner import GpuMigState, MigInstance, ModeChange, NodePlan, PlanError, plan_node
+from agent.mig.planner import GpuMigState
 from agent.nvml.backend import MigOps, NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import NodeSpec, load_node
 
-MIG_PRESETS = ("dgx-h100", "dgx-a100", "hgx-h200", "a100-pcie-nvlink-pairs", "single-h200", "hgx-16-nvswitch")
 SHIPPED = load_layouts(None)
 RESET_HINT = "let the GPUs go idle and apply again, or reset the GPUs (reboot the node)"
 
@@ -106,19 +105,9 @@ def modes(node: Node) -> list[tuple[bool, bool]]:
     return [(s.mig_enabled, s.mig_pending) for s in map(node.ops.state, range(node.count))]
 
 
-def as_tuples(target: tuple[MigInstance, ...]) -> list[tuple[str, int, int]]:
-    return [(i.profile, i.start, i.size) for i in target]
-
-
 def fresh_view(spec: NodeSpec) -> list[GpuMigState]:
     """The node as a fresh boot has it (MIG disabled everywhere), straight from the catalog."""
     return [GpuMigState.of(g.index, g.model) for g in spec.gpus]
-
-
-def waits_for_reset(spec: NodeSpec, plan: NodePlan) -> list[int]:
-    """GPUs whose MIG mode change waits for a reset: Ampere ones (docs/reference/mig-profiles.md, "Mode changes")."""
-    ampere = {g.index for g in spec.gpus if g.model.architecture == pynvml.NVML_DEVICE_ARCH_AMPERE}
-    return [p.index for p in plan.gpus if p.mode is not ModeChange.NONE and p.index in ampere]
 
 
 def rebooting_reason(gpus: list[int], change: str = "enable") -> str:
@@ -131,65 +120,7 @@ def selects_nothing(name: str, gpus: int) -> str:
             f"the node's {gpus} GPU{'' if gpus == 1 else 's'}; nothing changed")
 
 
-def applied_reason(name: str, changes: int, selected: int = 1, gpus: int = 8) -> str:
-    if selected == 0:
-        return selects_nothing(name, gpus)
-    if changes == 0:
-        return f"layout {name!r} is already applied"
-    return f"layout {name!r} applied: {changes} change(s)"
-
-
-# --- every shipped layout on every MIG-capable preset ----------------------------------------------------
-
-
-@pytest.mark.parametrize("name", SHIPPED.names())
-@pytest.mark.parametrize("preset", MIG_PRESETS)
-def test_shipped_layout_ends_as_planned(preset: str, name: str) -> None:
-    node = started(preset)
-    layout = SHIPPED.layout(name)
-    try:
-        predicted = plan_node(layout, fresh_view(node.spec))
-    except PlanError as err:
-        result = node.apply(layout)
-        assert (result.outcome, result.reason) == ("failed", f"layout {name!r} cannot be applied: {err}")
-        assert modes(node) == [(False, False)] * node.count
-        assert instances(node) == {i: [] for i in range(node.count)}
-        return
-
-    steps: list[str] = []
-    result = node.apply(layout, steps=steps)
-    waiting = waits_for_reset(node.spec, predicted)
-    if waiting:
-        assert (result.outcome, result.reason) == ("rebooting", rebooting_reason(waiting))
-        assert steps == [f"GPU {i}: enable MIG" for i in waiting]
-        assert [modes(node)[i] for i in waiting] == [(False, True)] * len(waiting)
-        for index in waiting:
-            node.fake.reset_gpu(index)
-        result = node.apply(layout)
-        creates = sum(len(p.create) for p in predicted.gpus)
-        assert (result.outcome, result.reason) == ("success", applied_reason(name, creates))
-    else:
-        assert (result.outcome, result.reason) == ("success", applied_reason(
-            name, len(predicted.actions()), len(predicted.gpus), node.count))
-        assert steps == predicted.actions()
-
-    hardware = instances(node)
-    for gpu in node.spec.gpus:
-        entries = layout.matching(gpu.index, gpu.model.pci_device_id, gpu.model.nvml_name)
-        if not entries:
-            assert (gpu.index, modes(node)[gpu.index], hardware[gpu.index]) == (gpu.index, (False, False), [])
-            continue
-        (entry,) = entries
-        assert modes(node)[gpu.index] == (entry.mig_enabled, False)
-        assert Counter(profile for profile, _, _ in hardware[gpu.index]) == Counter(entry.requested)
-        (gpu_plan,) = [p for p in predicted.gpus if p.index == gpu.index]
-        assert hardware[gpu.index] == as_tuples(gpu_plan.target)
-
-    again: list[str] = []
-    second = node.apply(layout, steps=again)
-    assert (second.outcome, second.reason, again) == (
-        "success", applied_reason(name, 0, len(predicted.gpus), node.count), [])
-    assert instances(node) == hardware
+# --- exact placements (every shipped layout on every preset: tests/unit/test_shipped_layouts.py) -------
 
 
 def test_balanced_on_dgx_h100_has_the_exact_instances() -> None:
