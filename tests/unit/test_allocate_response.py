@@ -86,3 +86,23 @@ def test_replicas_of_one_gpu_name_it_once() -> None:
                               picks=(0, 1, 4))
     assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{state.inventory.gpus[0].uuid},"
                                                              f"{state.inventory.gpus[1].uuid}"}
+
+
+def test_replicas_of_one_gpu_name_it_once_under_every_device_list_strategy() -> None:
+    sharing = "sharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"
+    flags = ("flags:\n  plugin:\n    deviceListStrategy: [volume-mounts, cdi-annotations, cdi-cri]\n"
+             "    deviceIDStrategy: index\n    passDeviceSpecs: true\n")
+    # Four replicas of GPU 0 and two of GPU 1 (four replicas per GPU, in GPU order).
+    response, _ = respond(flags + sharing, picks=(0, 1, 2, 3, 4, 5), files=NodeFiles())
+    assert [m.container_path for m in response.mounts] == [
+        "/var/run/nvidia-container-devices/0", "/var/run/nvidia-container-devices/1"]
+    assert dict(response.annotations) == {"cdi.k8s.io/gpu-node-agent_r-1": "nvidia.com/gpu=0,nvidia.com/gpu=1"}
+    assert [d.name for d in response.cdi_devices] == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]
+    assert [d.container_path for d in response.devices] == ["/dev/nvidia0", "/dev/nvidia1"]
+
+
+def test_replicas_of_one_mig_device_name_it_once() -> None:
+    config = ("flags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+              "    - {name: nvidia.com/mig-3g.40gb, replicas: 3}\n")
+    response, state = respond(config, picks=(0, 2), mig={2: [("3g.40gb", 0)]}, resource="nvidia.com/mig-3g.40gb")
+    assert dict(response.envs) == {"NVIDIA_VISIBLE_DEVICES": state.inventory.mig_devices[0].uuid}
