@@ -1,11 +1,17 @@
 """Keeps the node's ResourceSlice equal to the newest NodeState: a consumer of the StateBus, like the node
 reconciler. Writes only when the devices change, each time with the pool generation one higher; checks the
 slice again every RECHECK_S and whenever `republish()` is called (the kubelet deletes a driver's slices when the
-driver registers), and removes any other slice of this driver and node."""
+driver registers), and removes any other slice of this driver and node.
+
+Unhealthy devices are written with a device taint; the API server drops that field silently where the
+DRADeviceTaints feature gate is off, so the first write with a taint is a dry run whose answer (what the API
+server would store) is checked, and so is each write's answer: where the taints are gone, the publisher says
+so once and withdraws unhealthy devices from then on."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 from collections.abc import Callable
@@ -15,7 +21,7 @@ from urllib.parse import quote
 import aiohttp
 
 from agent.dra.pci import sysfs_pcie_root
-from agent.dra.slices import PcieRootLookup, slice_name, slice_spec
+from agent.dra.slices import PcieRootLookup, slice_name, slice_spec, taint_key
 from agent.kube.node import REQUEST_TIMEOUT_S, ApiError, Credentials, NodeApi
 from agent.kube.view import describe_error
 from agent.state import NodeState, StateBus
@@ -26,12 +32,13 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 RECHECK_S = 30.0
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
+UNDECIDED, TAINTS, WITHDRAWAL = "undecided", "taints", "withdrawal"
 
 
 class SliceClient(Protocol):
     async def get(self, name: str) -> dict[str, Any] | None: ...
-    async def create(self, body: dict[str, Any]) -> dict[str, Any]: ...
-    async def replace(self, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    async def create(self, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]: ...
+    async def replace(self, name: str, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]: ...
     async def delete(self, name: str) -> None: ...
     async def list(self, node: str, driver: str) -> list[dict[str, Any]]: ...
 
@@ -84,14 +91,16 @@ class SliceApi:
             raise
         return found
 
-    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        self.writes += 1
-        created: dict[str, Any] = await self._request("POST", SLICES, body)
+    async def create(self, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """Create the slice; with `dry_run`, only what the API server would store (nothing is written)."""
+        self.writes += not dry_run
+        created: dict[str, Any] = await self._request("POST", SLICES + ("?dryRun=All" if dry_run else ""), body)
         return created
 
-    async def replace(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.writes += 1
-        replaced: dict[str, Any] = await self._request("PUT", f"{SLICES}/{quote(name, safe='')}", body)
+    async def replace(self, name: str, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        self.writes += not dry_run
+        path = f"{SLICES}/{quote(name, safe='')}" + ("?dryRun=All" if dry_run else "")
+        replaced: dict[str, Any] = await self._request("PUT", path, body)
         return replaced
 
     async def delete(self, name: str) -> None:
@@ -138,6 +147,9 @@ class SlicePublisher:
         """The resourceVersion of this agent's last write and the devices it wrote."""
         self.published = asyncio.Event()
         """Set once the slice matches the current state."""
+        self.health_mode = UNDECIDED
+        """How unhealthy devices are published: UNDECIDED until one was, then TAINTS where the API server
+        kept their device taints, WITHDRAWAL (for the rest of the agent's run) where it dropped them."""
 
     async def close(self) -> None:
         close = getattr(self._api, "close", None)
@@ -151,7 +163,6 @@ class SlicePublisher:
 
     async def sync(self, state: NodeState) -> bool:
         """Make the slice match `state`; returns whether anything was written."""
-        wanted = slice_spec(state, self.node, self.driver, 0, self._pcie_root)
         wrote = False
         for other in await self._api.list(self.node, self.driver):
             other_name = (other.get("metadata") or {}).get("name")
@@ -159,26 +170,62 @@ class SlicePublisher:
                 log.info("deleting stale ResourceSlice %s of driver %s", other_name, self.driver)
                 await self._api.delete(other_name)
                 wrote = True
-        have = await self._api.get(self.name)
-        if have is not None:
-            meta = have.get("metadata") or {}
-            if self._written == (meta.get("resourceVersion"), wanted["devices"]):
-                return wrote  # unchanged since this agent wrote it
-            generation = int(((have.get("spec") or {}).get("pool") or {}).get("generation") or 0)
-            self.generation = max(self.generation, generation) + 1
-            wanted["pool"]["generation"] = self.generation
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": wanted}
-            written = await self._api.replace(self.name, body)
-        else:
-            self.generation += 1
-            wanted["pool"]["generation"] = self.generation
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                    "metadata": {"name": self.name}, "spec": wanted}
-            written = await self._api.create(body)
-        self._written = ((written.get("metadata") or {}).get("resourceVersion"), wanted["devices"])
-        log.info("published ResourceSlice %s: %d device(s), pool generation %d", self.name,
-                 len(wanted["devices"]), self.generation)
-        return True
+        written = await self._write(state)
+        return written or wrote
+
+    async def _write(self, state: NodeState) -> bool:
+        while True:
+            wanted = slice_spec(state, self.node, self.driver, 0, self._pcie_root,
+                                taints=self.health_mode != WITHDRAWAL)
+            devices = copy.deepcopy(wanted["devices"])
+            tainted = {d["name"] for d in devices if d.get("taints")}
+            have = await self._api.get(self.name)
+            body: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "spec": wanted}
+            if have is not None:
+                meta = have.get("metadata") or {}
+                if self._written == (meta.get("resourceVersion"), devices):
+                    return False  # unchanged since this agent wrote it
+                stored = int(((have.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                generation = max(self.generation, stored) + 1
+                _keep_taint_times(wanted["devices"], (have.get("spec") or {}).get("devices") or [])
+                body["metadata"] = meta
+            else:
+                generation = self.generation + 1
+                body["metadata"] = {"name": self.name}
+            wanted["pool"]["generation"] = generation
+            # The first taint goes in a dry run: the API server answers what it would store, so no write
+            # publishes an unhealthy device without its taint.
+            if tainted and self.health_mode == UNDECIDED and not self._keeps_taints(
+                    tainted, await self._send(have is not None, body, dry_run=True)):
+                continue
+            written = await self._send(have is not None, body)
+            self.generation = generation
+            self._written = ((written.get("metadata") or {}).get("resourceVersion"), devices)
+            log.info("published ResourceSlice %s: %d device(s), pool generation %d", self.name,
+                     len(wanted["devices"]), self.generation)
+            if tainted and not self._keeps_taints(tainted, written):
+                continue  # the API server stopped keeping them (restarted with the gate off)
+            return True
+
+    async def _send(self, exists: bool, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        if exists:
+            return await self._api.replace(self.name, body, dry_run=dry_run)
+        return await self._api.create(body, dry_run=dry_run)
+
+    def _keeps_taints(self, tainted: set[str], stored_slice: dict[str, Any]) -> bool:
+        """Whether the API server stored the taints of the devices `tainted`; decides the health mode."""
+        stored = {d.get("name") for d in (stored_slice.get("spec") or {}).get("devices") or [] if d.get("taints")}
+        if tainted <= stored:
+            if self.health_mode != TAINTS:
+                log.info("the API server keeps device taints (DRADeviceTaints): unhealthy devices stay in "
+                         "ResourceSlice %s with the taint %s", self.name, taint_key(self.driver))
+            self.health_mode = TAINTS
+            return True
+        self.health_mode = WITHDRAWAL
+        log.warning("the API server drops the device taints of %s (the DRADeviceTaints feature gate is off): "
+                    "unhealthy devices are withdrawn from ResourceSlice %s instead",
+                    ", ".join(sorted(tainted - stored)), self.name)
+        return False
 
     async def run(self) -> None:
         backoff = BACKOFF_MIN_S
@@ -209,6 +256,18 @@ class SlicePublisher:
                 self._wake.clear()
             if self._bus.current.version != version:
                 self.published.clear()
+
+
+def _keep_taint_times(devices: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:
+    """Give each taint the time the API server added it, where the stored device has the same taint, so that
+    rewriting the slice does not make an old taint look new."""
+    added = {(d.get("name"), t.get("key"), t.get("value", ""), t.get("effect")): t["timeAdded"]
+             for d in stored for t in d.get("taints") or [] if t.get("timeAdded")}
+    for device in devices:
+        for taint in device.get("taints") or []:
+            when = added.get((device["name"], taint["key"], taint.get("value", ""), taint["effect"]))
+            if when is not None:
+                taint["timeAdded"] = when
 
 
 def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None]) -> SlicePublisher | None:

@@ -5,18 +5,20 @@ publishes under the same names (in this driver's domain), the standard PCI attri
 NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`; per MIG device of a
 MIG-enabled GPU a device named gpu-<index>-mig-<gi>-<ci> with its profile, parent and placement, its GPU's
 model, driver and topology attributes, and its memory and engines. The devices of unhealthy GPUs and of GPUs
-whose MIG layout is changing are left out.
+whose MIG layout is changing are left out; where the API server keeps device taints, unhealthy devices stay
+in with a `<driver>/unhealthy` taint instead.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.inventory import GPU_RESOURCE
 from agent.nvml.catalog import MODELS
-from agent.state import NodeState
+from agent.state import DeviceHealth, NodeState
 from agent.topology.model import Topology
 from agent.topology.prefer import topology_of
 
@@ -166,10 +168,11 @@ def device_name(gpu: GpuInfo) -> str:
     return f"gpu-{gpu.index}"
 
 
-def published_gpus(state: NodeState) -> list[GpuInfo]:
-    """The whole GPUs the slice carries: healthy, not draining, not MIG-enabled."""
+def published_gpus(state: NodeState, taints: bool = False) -> list[GpuInfo]:
+    """The whole GPUs the slice carries: not draining, not MIG-enabled, and healthy unless unhealthy ones are
+    published with a taint (`taints`)."""
     return [g for g in state.inventory.gpus
-            if state.gpu_health(g.uuid).healthy and g.uuid not in state.draining and not g.mig_enabled]
+            if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled]
 
 
 def mig_device_name(mig: MigInfo) -> str:
@@ -177,12 +180,33 @@ def mig_device_name(mig: MigInfo) -> str:
     return f"gpu-{mig.parent_index}-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"
 
 
-def published_migs(state: NodeState) -> list[tuple[GpuInfo, MigInfo]]:
-    """The MIG devices the slice carries, with their GPU: those of MIG-enabled GPUs that are healthy and whose
-    layout is not being changed."""
+def published_migs(state: NodeState, taints: bool = False) -> list[tuple[GpuInfo, MigInfo]]:
+    """The MIG devices the slice carries, with their GPU: those of MIG-enabled GPUs whose layout is not being
+    changed, and that are healthy unless unhealthy ones are published with a taint (`taints`)."""
     parents = {g.index: g for g in state.inventory.gpus
-               if g.mig_enabled and state.gpu_health(g.uuid).healthy and g.uuid not in state.draining}
+               if g.mig_enabled and (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining}
     return [(parents[m.parent_index], m) for m in state.inventory.mig_devices if m.parent_index in parents]
+
+
+def taint_key(driver: str) -> str:
+    """The key of the device taint an unhealthy GPU and its MIG devices carry."""
+    return f"{driver}/unhealthy"
+
+
+def label_value(text: str) -> str:
+    """`text` as a label value: lower case, runs of other characters as one '-', at most 63 characters."""
+    value = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return value[:63].rstrip("-")
+
+
+def health_taints(health: DeviceHealth, driver: str) -> list[dict[str, str]]:
+    """The device taints of a GPU in this health: none when healthy; else one `<driver>/unhealthy` taint whose
+    value is the reason, with effect NoExecute for a node-fatal fault (the pods using it cannot run on) and
+    NoSchedule otherwise."""
+    if health.healthy:
+        return []
+    return [{"key": taint_key(driver), "value": label_value(health.reason),
+             "effect": "NoExecute" if health.node_fatal else "NoSchedule"}]
 
 
 def _common(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, dict[str, Any]]:
@@ -239,15 +263,21 @@ def slice_name(node: str, driver: str) -> str:
 
 
 def slice_spec(state: NodeState, node: str, driver: str, generation: int,
-               pcie_root: PcieRootLookup = lambda bus_id: None) -> dict[str, Any]:
-    """The spec of the node's one ResourceSlice for `state`, at pool generation `generation`."""
+               pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False) -> dict[str, Any]:
+    """The spec of the node's one ResourceSlice for `state`, at pool generation `generation`. With `taints`
+    (the API server keeps device taints: DRADeviceTaints) the devices of unhealthy GPUs stay in the slice
+    with a taint; without, they are left out."""
     cliques = nvlink_cliques(topology_of(state.inventory))
+    devices = [*((g, gpu_device(g, state, cliques, pcie_root)) for g in published_gpus(state, taints)),
+               *((g, mig_device(g, m, state, cliques, pcie_root)) for g, m in published_migs(state, taints))]
+    for gpu, device in devices:
+        if found := health_taints(state.gpu_health(gpu.uuid), driver):
+            device["taints"] = found
     return {
         "driver": driver,
         "nodeName": node,
         "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": [*(gpu_device(g, state, cliques, pcie_root) for g in published_gpus(state)),
-                    *(mig_device(g, m, state, cliques, pcie_root) for g, m in published_migs(state))],
+        "devices": [device for _, device in devices],
     }
 
 

@@ -91,6 +91,30 @@ def test_unhealthy_draining_and_mig_enabled_gpus_are_withdrawn() -> None:
         "gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-7", "gpu-5-mig-7-0"]
 
 
+def test_with_taints_unhealthy_gpus_and_their_mig_devices_stay_in_tainted() -> None:
+    state = node("dgx-h100", mig={5: [("1g.10gb", 0)]})
+    gpus = state.inventory.gpus
+    state = state.evolve(health={gpus[2].uuid: DeviceHealth(False, "XID 48"),
+                                 gpus[5].uuid: DeviceHealth(False, "GPU is lost (fallen off the bus)", True)},
+                         draining=frozenset({gpus[6].uuid}))
+    spec = by_name(slice_spec(state, "n", DRIVER, 1, taints=True))
+    # Draining GPUs are still left out; unhealthy ones carry the taint.
+    assert list(spec) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-7", "gpu-5-mig-7-0"]
+    assert {n: d.get("taints") for n, d in spec.items() if d.get("taints")} == {
+        "gpu-2": [{"key": "gpu.gpu-node-agent.io/unhealthy", "value": "xid-48", "effect": "NoSchedule"}],
+        "gpu-5-mig-7-0": [{"key": "gpu.gpu-node-agent.io/unhealthy", "value": "gpu-is-lost-fallen-off-the-bus",
+                           "effect": "NoExecute"}],
+    }
+
+
+def test_a_long_reason_is_cut_to_a_label_value() -> None:
+    state = node("a100-pcie-nvlink-pairs")
+    reason = "3 uncorrected ECC error(s) since the last reset, and then some more words to pass 63"
+    state = state.evolve(health={state.inventory.gpus[0].uuid: DeviceHealth(False, reason)})
+    (taint,) = by_name(slice_spec(state, "n", DRIVER, 1, taints=True))["gpu-0"]["taints"]  # type: ignore[index]
+    assert taint["value"] == "3-uncorrected-ecc-error-s-since-the-last-reset-and-then-some-mo"  # 63 characters
+
+
 def test_mig_devices_carry_profile_parent_placement_and_their_gpus_topology() -> None:
     state = node("dgx-h100", mig={6: [("3g.40gb", 4), ("2g.20gb", 0)]})
     spec = slice_spec(state, "n", DRIVER, 1)
