@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"reflect"
+	"sort"
 	"sync"
 	"time"
 	"unsafe"
@@ -65,15 +66,27 @@ type connection struct {
 }
 
 type preferredCall struct {
-	req  *pluginapi.PreferredAllocationRequest
-	resp *pluginapi.PreferredAllocationResponse
-	err  error
+	resource string
+	req      *pluginapi.PreferredAllocationRequest
+	resp     *pluginapi.PreferredAllocationResponse
+	err      error
 }
 
 type allocateCall struct {
-	req  *pluginapi.AllocateRequest
-	resp *pluginapi.AllocateResponse
-	err  error
+	resource string
+	req      *pluginapi.AllocateRequest
+	resp     *pluginapi.AllocateResponse
+	err      error
+}
+
+// listing is what one ListAndWatch response did to the manager: the devices
+// it marked unhealthy, and the capacity and allocatable the manager reported
+// for the resource right after taking it.
+type listing struct {
+	resource              string
+	unhealthy             []string
+	capacity, allocatable int64
+	at                    time.Time
 }
 
 // recorder sits between the registration server and the manager: it hands
@@ -85,6 +98,7 @@ type recorder struct {
 	changed     chan struct{} // closed and replaced on every event
 	connections []connection
 	updates     int // ListAndWatch responses received
+	listings    []listing
 	preferred   []preferredCall
 	allocations []allocateCall
 }
@@ -128,7 +142,7 @@ func (r *recorder) CleanupPluginDirectory(dir string) error { return r.m.Cleanup
 
 func (r *recorder) PluginConnected(resource string, p plugin.DevicePlugin) error {
 	rp := &recordingPlugin{DevicePlugin: p, rec: r}
-	rp.client = &recordingClient{DevicePluginClient: p.API(), rec: r}
+	rp.client = &recordingClient{DevicePluginClient: p.API(), rec: r, resource: resource}
 	err := r.m.PluginConnected(resource, rp)
 	if err == nil {
 		r.record(func() {
@@ -144,7 +158,18 @@ func (r *recorder) PluginDisconnected(resource string) { r.m.PluginDisconnected(
 
 func (r *recorder) PluginListAndWatchReceiver(resource string, resp *pluginapi.ListAndWatchResponse) {
 	r.m.PluginListAndWatchReceiver(resource, resp)
-	r.record(func() { r.updates++ })
+	l := listing{resource: resource, at: time.Now()}
+	for _, d := range resp.Devices {
+		if d.Health != pluginapi.Healthy {
+			l.unhealthy = append(l.unhealthy, d.ID)
+		}
+	}
+	sort.Strings(l.unhealthy)
+	l.capacity, l.allocatable = managerCapacity(r.m, resource)
+	r.record(func() {
+		r.updates++
+		r.listings = append(r.listings, l)
+	})
 }
 
 type recordingPlugin struct {
@@ -157,7 +182,8 @@ func (p *recordingPlugin) API() pluginapi.DevicePluginClient { return p.client }
 
 type recordingClient struct {
 	pluginapi.DevicePluginClient
-	rec *recorder
+	rec      *recorder
+	resource string
 
 	mu      sync.Mutex
 	options *pluginapi.DevicePluginOptions
@@ -181,14 +207,14 @@ func (c *recordingClient) GetDevicePluginOptions(ctx context.Context, in *plugin
 func (c *recordingClient) GetPreferredAllocation(ctx context.Context, in *pluginapi.PreferredAllocationRequest,
 	opts ...grpc.CallOption) (*pluginapi.PreferredAllocationResponse, error) {
 	resp, err := c.DevicePluginClient.GetPreferredAllocation(ctx, in, opts...)
-	c.rec.record(func() { c.rec.preferred = append(c.rec.preferred, preferredCall{in, resp, err}) })
+	c.rec.record(func() { c.rec.preferred = append(c.rec.preferred, preferredCall{c.resource, in, resp, err}) })
 	return resp, err
 }
 
 func (c *recordingClient) Allocate(ctx context.Context, in *pluginapi.AllocateRequest,
 	opts ...grpc.CallOption) (*pluginapi.AllocateResponse, error) {
 	resp, err := c.DevicePluginClient.Allocate(ctx, in, opts...)
-	c.rec.record(func() { c.rec.allocations = append(c.rec.allocations, allocateCall{in, resp, err}) })
+	c.rec.record(func() { c.rec.allocations = append(c.rec.allocations, allocateCall{c.resource, in, resp, err}) })
 	return resp, err
 }
 

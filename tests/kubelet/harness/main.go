@@ -6,12 +6,15 @@
 // GetPreferredAllocation and Allocate round trip of a pod through the
 // manager, re-registration after a kubelet restart, and a clean exit on
 // SIGTERM. It prints one PASS or FAIL line per check and exits 1 if any
-// check failed.
+// check failed. -scenario mig, multi, replicas and health check MIG devices,
+// several resources in one pod, time-sliced replicas and a health change
+// reaching the manager's allocatable (scenarios.go).
 //
 // usage: kubelet-harness [flags] [-- plugin command...]
 //
 // In the plugin command, {dir} stands for the socket directory. Without a
-// command it runs <repo>/.venv/bin/gpu-agent against the mock DGX H100.
+// command it runs <repo>/.venv/bin/gpu-agent against the mock DGX H100
+// (-scenario gpu only).
 package main
 
 import (
@@ -35,6 +38,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
 )
 
 // The checks, in the order they run; every run prints all of them.
@@ -70,6 +74,16 @@ type options struct {
 	repo           string
 	keep           bool
 	pluginArgv     []string
+
+	// The scenarios other than "gpu" (scenarios.go).
+	scenario     string
+	resources    []resourceSpec
+	replicas     int
+	replicaGPUs  int
+	inject       string
+	recover      string
+	unhealthy    string
+	healthWithin time.Duration
 }
 
 func main() {
@@ -101,10 +115,15 @@ func run() int {
 	klog.SetOutput(klogFile)
 	defer klog.Flush()
 
-	r := &report{}
+	r := &report{names: checkNames}
 	h := &harness{opts: opts, dir: dir, report: r}
 	go h.abortOnSignal()
-	h.run()
+	if opts.scenario == "gpu" {
+		h.run()
+	} else {
+		r.names = scenarios[opts.scenario].checks
+		h.runScenario()
+	}
 	r.finish()
 	if r.failed {
 		fmt.Fprintf(os.Stderr, "--- plugin output (last 40 lines) ---\n%s\n", tail(filepath.Join(dir, "plugin.log"), 40))
@@ -127,7 +146,20 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.repo, "repo", ".", "repository whose .venv/bin/gpu-agent is the default plugin")
 	flag.BoolVar(&o.keep, "keep", false, "keep the socket directory and logs")
 	verbosity := flag.String("v", "0", "kubelet log verbosity (klog -v), logged to kubelet.log")
+	flag.StringVar(&o.scenario, "scenario", "gpu", "checks to run: "+strings.Join(scenarioNames(), ", "))
+	resources := flag.String("resources", "", "-scenario other than gpu: the resources the plugin registers, "+
+		"as NAME=DEVICES:REQUEST,... (REQUEST: devices the pod's container for NAME asks for)")
+	flag.IntVar(&o.replicas, "replicas", 4, "-scenario replicas: replicas per GPU")
+	flag.IntVar(&o.replicaGPUs, "replica-gpus", 1, "-scenario replicas: GPUs the preferred replicas are on")
+	flag.StringVar(&o.inject, "inject", "", "-scenario health: shell command that makes one device unhealthy")
+	flag.StringVar(&o.recover, "recover", "", "-scenario health: shell command that clears the fault (optional)")
+	flag.StringVar(&o.unhealthy, "unhealthy", "", "-scenario health: ID of the device -inject makes unhealthy")
+	flag.DurationVar(&o.healthWithin, "health-within", 15*time.Second,
+		"-scenario health: limit for each health change to reach the manager")
 	flag.Parse()
+	if err := o.scenarioFlags(*resources); err != nil {
+		return nil, err
+	}
 
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
@@ -154,6 +186,9 @@ func parseFlags() (*options, error) {
 		}
 	}
 	o.pluginArgv = flag.Args()
+	if len(o.pluginArgv) == 0 && o.scenario != "gpu" {
+		return nil, fmt.Errorf("-scenario %s needs the plugin command after --", o.scenario)
+	}
 	if len(o.pluginArgv) == 0 {
 		agent, err := filepath.Abs(filepath.Join(o.repo, ".venv", "bin", "gpu-agent"))
 		if err != nil {
@@ -167,6 +202,7 @@ func parseFlags() (*options, error) {
 
 // report prints one line per check and remembers whether any failed.
 type report struct {
+	names  []string // the checks of the scenario, in order
 	done   map[string]bool
 	failed bool
 }
@@ -202,7 +238,7 @@ func (r *report) check(name string, err error, detail string) bool {
 
 // finish reports every check that did not get to run as failed.
 func (r *report) finish() {
-	for _, name := range checkNames {
+	for _, name := range r.names {
 		if !r.done[name] {
 			r.fail(name, "not run")
 		}
@@ -214,9 +250,9 @@ type harness struct {
 	dir    string
 	report *report
 
-	pod    *v1.Pod
-	plugin *pluginProcess
-	socket string // the plugin's socket, from its newest registration
+	pod     *v1.Pod
+	plugin  *pluginProcess
+	sockets []string // the plugin's sockets, from its newest registrations
 
 	mu      sync.Mutex
 	started *pluginProcess // h.plugin, for the signal handler
@@ -334,7 +370,7 @@ func (h *harness) checkRegistration(k *kubelet) bool {
 		return false
 	}
 	c := conns[0]
-	h.socket = c.socket
+	h.sockets = []string{c.socket}
 	if c.resource != o.resource {
 		r.fail("registration", "registered resource %q, want %q", c.resource, o.resource)
 		return false
@@ -381,7 +417,13 @@ func (h *harness) checkCapacity(k *kubelet, name string) map[string]*pluginapi.D
 }
 
 func (k *kubelet) capacity(name string) (capacity, allocatable int64) {
-	c, a, _ := k.manager.GetCapacity()
+	return managerCapacity(k.manager, name)
+}
+
+// managerCapacity is the capacity and allocatable the manager reports for a
+// resource, as the kubelet puts them in the node's status.
+func managerCapacity(m *devicemanager.ManagerImpl, name string) (capacity, allocatable int64) {
+	c, a, _ := m.GetCapacity()
 	rn := v1.ResourceName(name)
 	if q, ok := c[rn]; ok {
 		capacity = q.Value()
@@ -557,6 +599,12 @@ func checkPreferred(calls []preferredCall, devices map[string]*pluginapi.Device,
 
 func checkAllocate(k *kubelet, pod *v1.Pod, name string, allocErr error, calls []allocateCall,
 	answer []string) ([]string, error) {
+	return checkContainerAllocate(k, pod, &pod.Spec.Containers[0], name, allocErr, calls, answer)
+}
+
+// checkContainerAllocate checks the Allocate calls of name for one container.
+func checkContainerAllocate(k *kubelet, pod *v1.Pod, container *v1.Container, name string, allocErr error,
+	calls []allocateCall, answer []string) ([]string, error) {
 	if allocErr != nil {
 		return nil, fmt.Errorf("the manager refused the pod: %v", allocErr)
 	}
@@ -574,7 +622,7 @@ func checkAllocate(k *kubelet, pod *v1.Pod, name string, allocErr error, calls [
 	if answer != nil && !slices.Equal(requested, answer) {
 		return requested, fmt.Errorf("the manager allocated %v, not the preferred %v", requested, answer)
 	}
-	assigned := sortedKeys(k.manager.GetDevices(string(pod.UID), pod.Spec.Containers[0].Name)[name])
+	assigned := sortedKeys(k.manager.GetDevices(string(pod.UID), container.Name)[name])
 	if !slices.Equal(assigned, requested) {
 		return requested, fmt.Errorf("the manager recorded %v for the container, Allocate was for %v", assigned, requested)
 	}
@@ -587,6 +635,13 @@ func checkAllocate(k *kubelet, pod *v1.Pod, name string, allocErr error, calls [
 // checkEnv checks the variable in the plugin's answer, then what the
 // manager hands the container runtime for the container.
 func checkEnv(k *kubelet, pod *v1.Pod, name string, call allocateCall, allocated []string) (string, error) {
+	return checkContainerEnv(k, pod, &pod.Spec.Containers[0], name, call, allocated)
+}
+
+// checkContainerEnv checks that the variable is exactly want, in the answer
+// and in the run options the manager has for the container.
+func checkContainerEnv(k *kubelet, pod *v1.Pod, container *v1.Container, name string, call allocateCall,
+	allocated []string) (string, error) {
 	value, ok := call.resp.ContainerResponses[0].Envs[name]
 	if !ok {
 		return "", fmt.Errorf("allocate response sets no %s (envs: %v)", name, call.resp.ContainerResponses[0].Envs)
@@ -595,7 +650,7 @@ func checkEnv(k *kubelet, pod *v1.Pod, name string, call allocateCall, allocated
 	if got := sorted(ids); !slices.Equal(got, allocated) || len(ids) != len(allocated) {
 		return value, fmt.Errorf("%s=%q, want exactly the allocated %v", name, value, allocated)
 	}
-	runOpts, err := k.manager.GetDeviceRunContainerOptions(pod, &pod.Spec.Containers[0])
+	runOpts, err := k.manager.GetDeviceRunContainerOptions(pod, container)
 	if err != nil {
 		return value, fmt.Errorf("the manager has no run options for the container: %v", err)
 	}
@@ -622,7 +677,7 @@ func (h *harness) checkReregistration(k *kubelet) bool {
 	k.rec.mu.Lock()
 	c := k.rec.connections[0]
 	k.rec.mu.Unlock()
-	h.socket = c.socket
+	h.sockets = []string{c.socket}
 	took := c.at.Sub(k.startedAt)
 	switch {
 	case c.resource != o.resource:
@@ -648,15 +703,19 @@ func (h *harness) checkTermination() {
 	default:
 		r.pass("sigterm-exit", "exit code 0")
 	}
-	if h.socket == "" {
+	if len(h.sockets) == 0 {
 		r.fail("socket-removed", "not checked: the plugin never registered a socket")
 		return
 	}
-	if _, err := os.Lstat(h.socket); !os.IsNotExist(err) {
-		r.fail("socket-removed", "%s still exists after the plugin exited", filepath.Base(h.socket))
-		return
+	names := make([]string, len(h.sockets))
+	for i, socket := range h.sockets {
+		names[i] = filepath.Base(socket)
+		if _, err := os.Lstat(socket); !os.IsNotExist(err) {
+			r.fail("socket-removed", "%s still exists after the plugin exited", names[i])
+			return
+		}
 	}
-	r.pass("socket-removed", "%s removed", filepath.Base(h.socket))
+	r.pass("socket-removed", "%s removed", strings.Join(names, ", "))
 }
 
 func nodeOf(devices map[string]*pluginapi.Device, ids []string) int64 {

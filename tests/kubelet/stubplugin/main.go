@@ -4,7 +4,11 @@
 // kubelet.sock is recreated, clean exit on SIGTERM), and with -fault it
 // breaks one part of it, so the self-test can show each check is able to fail.
 //
-// usage: stubplugin -kubelet-dir DIR [-resource NAME] [-fault NAME]
+// With -replicas N it advertises N time-sliced replicas <uuid>::<n> of each
+// GPU, and Allocate names each GPU once. While the file DIR/stub-unhealthy
+// exists, the GPU whose index it holds is Unhealthy.
+//
+// usage: stubplugin -kubelet-dir DIR [-resource NAME] [-replicas N] [-fault NAME]
 package main
 
 import (
@@ -16,6 +20,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -35,12 +40,19 @@ var faults = map[string]string{
 	"wrong-env":       "list every device in NVIDIA_VISIBLE_DEVICES",
 	"slow-reregister": "wait 2 s before registering again after a kubelet restart",
 	"leave-socket":    "leave the socket behind on SIGTERM",
+	"repeat-uuid":     "name a GPU once per allocated replica in NVIDIA_VISIBLE_DEVICES",
+	"no-recovery":     "keep a GPU unhealthy after DIR/stub-unhealthy is removed",
 }
+
+// healthFile names the GPU (its index) that is unhealthy while it exists.
+const healthFile = "stub-unhealthy"
 
 func main() {
 	dir := flag.String("kubelet-dir", "", "directory holding kubelet.sock")
 	resource := flag.String("resource", "nvidia.com/gpu", "resource name to register")
-	fault := flag.String("fault", "", "contract to break: split-numa, wrong-env, slow-reregister, leave-socket")
+	fault := flag.String("fault", "", "contract to break: split-numa, wrong-env, slow-reregister, leave-socket, "+
+		"repeat-uuid, no-recovery")
+	replicas := flag.Int("replicas", 0, "advertise this many replicas of each GPU (0: the GPUs themselves)")
 	flag.Parse()
 	if *dir == "" {
 		log.Fatal("-kubelet-dir is required")
@@ -48,34 +60,94 @@ func main() {
 	if _, ok := faults[*fault]; !ok {
 		log.Fatalf("unknown -fault %q", *fault)
 	}
-	p := &stub{dir: *dir, resource: *resource, fault: *fault, devices: gpus(8)}
+	p := &stub{dir: *dir, resource: *resource, fault: *fault, devices: gpus(8, *replicas),
+		changed: make(chan struct{}), unhealthyGPU: -1}
 	if err := p.run(); err != nil {
 		log.Fatal(err)
 	}
 }
 
-// gpus returns n devices with GPU-UUID-shaped IDs; the first half sits on
-// NUMA node 0, the rest on node 1.
-func gpus(n int) []*pluginapi.Device {
-	devs := make([]*pluginapi.Device, n)
-	for i := range devs {
-		devs[i] = &pluginapi.Device{
-			ID:       fmt.Sprintf("GPU-%08x-0000-4000-8000-%012x", 0x5eed0000+i, i),
-			Health:   pluginapi.Healthy,
-			Topology: &pluginapi.TopologyInfo{Nodes: []*pluginapi.NUMANode{{ID: int64(i / (n / 2))}}},
+// gpus returns the devices of n GPUs with GPU-UUID-shaped IDs, or with
+// replicas > 0 that many replicas <uuid>::<k> of each; the first half of the
+// GPUs sits on NUMA node 0, the rest on node 1.
+func gpus(n, replicas int) []*pluginapi.Device {
+	var devs []*pluginapi.Device
+	for i := 0; i < n; i++ {
+		uuid := fmt.Sprintf("GPU-%08x-0000-4000-8000-%012x", 0x5eed0000+i, i)
+		ids := []string{uuid}
+		if replicas > 0 {
+			ids = nil
+			for k := 0; k < replicas; k++ {
+				ids = append(ids, fmt.Sprintf("%s::%d", uuid, k))
+			}
+		}
+		for _, id := range ids {
+			devs = append(devs, &pluginapi.Device{
+				ID:       id,
+				Health:   pluginapi.Healthy,
+				Topology: &pluginapi.TopologyInfo{Nodes: []*pluginapi.NUMANode{{ID: int64(i / (n / 2))}}},
+			})
 		}
 	}
 	return devs
+}
+
+// gpuOf is the GPU UUID behind a device ID (a replica's GPU, or the ID).
+func gpuOf(id string) string {
+	uuid, _, _ := strings.Cut(id, "::")
+	return uuid
 }
 
 type stub struct {
 	dir, resource, fault string
 	devices              []*pluginapi.Device
 
-	mu     sync.Mutex
-	server *grpc.Server
-	socket string
-	serial int
+	mu           sync.Mutex
+	server       *grpc.Server
+	socket       string
+	serial       int
+	unhealthyGPU int           // index of the GPU named in healthFile, -1 for none
+	changed      chan struct{} // closed and replaced when the devices' health changes
+}
+
+// current is the device list as ListAndWatch sends it now, and a channel
+// closed at the next change.
+func (p *stub) current() ([]*pluginapi.Device, <-chan struct{}) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	unhealthy := ""
+	if p.unhealthyGPU >= 0 {
+		unhealthy = fmt.Sprintf("GPU-%08x-", 0x5eed0000+p.unhealthyGPU)
+	}
+	devs := make([]*pluginapi.Device, len(p.devices))
+	for i, d := range p.devices {
+		c := *d
+		if unhealthy != "" && strings.HasPrefix(c.ID, unhealthy) {
+			c.Health = pluginapi.Unhealthy
+		}
+		devs[i] = &c
+	}
+	return devs, p.changed
+}
+
+// readHealth takes the unhealthy GPU from healthFile; with no file, none.
+func (p *stub) readHealth() {
+	gpu := -1
+	if data, err := os.ReadFile(filepath.Join(p.dir, healthFile)); err == nil {
+		if _, err := fmt.Sscan(string(data), &gpu); err != nil {
+			log.Printf("%s: %v", healthFile, err)
+			return
+		}
+	} else if p.fault == "no-recovery" {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if gpu != p.unhealthyGPU {
+		p.unhealthyGPU = gpu
+		close(p.changed)
+		p.changed = make(chan struct{})
+	}
 }
 
 func (p *stub) run() error {
@@ -103,6 +175,10 @@ func (p *stub) run() error {
 			p.stop(p.fault != "leave-socket")
 			return nil
 		case ev := <-watcher.Events:
+			if ev.Name == filepath.Join(p.dir, healthFile) {
+				p.readHealth()
+				continue
+			}
 			if ev.Name != kubeletSock || !ev.Has(fsnotify.Create) {
 				continue
 			}
@@ -204,11 +280,17 @@ func (s *service) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pl
 }
 
 func (s *service) ListAndWatch(_ *pluginapi.Empty, stream pluginapi.DevicePlugin_ListAndWatchServer) error {
-	if err := stream.Send(&pluginapi.ListAndWatchResponse{Devices: s.stub.devices}); err != nil {
-		return err
+	for {
+		devices, changed := s.stub.current()
+		if err := stream.Send(&pluginapi.ListAndWatchResponse{Devices: devices}); err != nil {
+			return err
+		}
+		select {
+		case <-changed:
+		case <-stream.Context().Done():
+			return nil
+		}
 	}
-	<-stream.Context().Done()
-	return nil
 }
 
 func (s *service) GetPreferredAllocation(_ context.Context, req *pluginapi.PreferredAllocationRequest,
@@ -274,7 +356,12 @@ func (p *stub) prefer(available, mustInclude []string, size int) []string {
 func (s *service) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
 	resp := &pluginapi.AllocateResponse{}
 	for _, cr := range req.ContainerRequests {
-		ids := cr.DevicesIds
+		var ids []string
+		for _, id := range cr.DevicesIds {
+			if gpu := gpuOf(id); s.stub.fault == "repeat-uuid" || !slices.Contains(ids, gpu) {
+				ids = append(ids, gpu)
+			}
+		}
 		if s.stub.fault == "wrong-env" {
 			ids = nil
 			for _, d := range s.stub.devices {
