@@ -12,11 +12,13 @@ loses nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,9 +26,11 @@ from typing import Any, Protocol
 import grpc
 
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
+from agent.dra.health_v1alpha1 import api_pb2 as health_pb
+from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.pluginregistration import api_pb2 as reg
 from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
-from agent.dra.slices import mig_device_name
+from agent.dra.slices import device_gpus, mig_device_name, published_names
 from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
@@ -38,6 +42,9 @@ log = logging.getLogger(__name__)
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 """What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them."""
 CHECKPOINT_VERSION = 1
+HEALTH_RESEND_S = 10.0
+"""The health stream sends the full list again at this interval when nothing changed: the kubelet takes a
+device's health as Unknown 30 s after it last received it (healthTimeout, pkg/kubelet/cm/dra/healthinfo.go)."""
 
 
 class ClaimReader(Protocol):
@@ -150,6 +157,11 @@ class DraKubeletPlugin:
         self._server: grpc.aio.Server | None = None
         self.registrations = 0
         self.registration_error = ""
+        self._claims_changed = asyncio.Event()
+        """Set (and replaced) whenever a claim is prepared or unprepared: the health streams list prepared
+        devices too."""
+        self._health_since: dict[str, tuple[int, int]] = {}
+        """Per device, the health last reported and since when (Unix seconds)."""
 
     async def start(self) -> None:
         for socket in (self.paths.registration, self.paths.endpoint):
@@ -160,6 +172,7 @@ class DraKubeletPlugin:
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
         v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self), server)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self), server)
+        health_grpc.add_DRAResourceHealthServicer_to_server(_Health(self), server)
         # The endpoint first: by the time the kubelet sees the registration socket, the service answers.
         server.add_insecure_port(f"unix://{self.paths.endpoint}")
         server.add_insecure_port(f"unix://{self.paths.registration}")
@@ -220,6 +233,7 @@ class DraKubeletPlugin:
                              (cdi_id(self.driver, gpu_device_name(uid, device)), shared))
                     for device, _, _ in listed]
         self.store.put(uid, namespace, name, prepared, spec)
+        self._claims_change()
         log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
         return prepared
 
@@ -237,9 +251,58 @@ class DraKubeletPlugin:
         return known
 
     def unprepare(self, uid: str) -> None:
-        if self.store.get(uid) is not None:
-            log.info("unprepared claim %s", uid)
+        known = self.store.get(uid) is not None
         self.store.remove(uid)
+        if known:
+            log.info("unprepared claim %s", uid)
+            self._claims_change()
+
+    def _claims_change(self) -> None:
+        changed, self._claims_changed = self._claims_changed, asyncio.Event()
+        changed.set()
+
+    def health(self) -> list[tuple[str, int, int]]:
+        """The health of every device the slice carries (unhealthy ones included) and every prepared one, as
+        (device name, HealthStatus, since when in Unix seconds): a device's GPU's health; Unknown for a
+        prepared device the node no longer has (a MIG device of a replaced layout)."""
+        state = self._bus.current
+        gpus = device_gpus(state)
+        names = set(published_names(state)) | {
+            d.device for uid in self.store.claims for d in self.store.get(uid) or [] if d.pool == self.node}
+        now = int(time.time())
+        report: list[tuple[str, int, int]] = []
+        for name in sorted(names):
+            uuid = gpus.get(name)
+            status: int = (health_pb.UNKNOWN if uuid is None else
+                      health_pb.HEALTHY if state.gpu_health(uuid).healthy else health_pb.UNHEALTHY)
+            last = self._health_since.get(name)
+            if last is None or last[0] != status:
+                last = self._health_since[name] = (status, now)
+            report.append((name, status, last[1]))
+        return report
+
+    async def watch_health(self) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
+        """The health stream: the full list at once, again on every change and every HEALTH_RESEND_S."""
+        sent: list[tuple[str, int, int]] | None = None
+        last_sent = 0.0
+        while True:
+            state = self._bus.current
+            claims_changed = self._claims_changed
+            report = self.health()
+            if report != sent or time.monotonic() - last_sent >= HEALTH_RESEND_S:
+                yield health_pb.NodeWatchResourcesResponse(devices=[
+                    health_pb.DeviceHealth(device=health_pb.DeviceIdentifier(pool_name=self.node, device_name=name),
+                                           health=status, last_updated_time=since)  # type: ignore[arg-type]
+                    for name, status, since in report])
+                sent, last_sent = report, time.monotonic()
+            newer = asyncio.ensure_future(self._bus.wait_newer(state.version))
+            claims = asyncio.ensure_future(claims_changed.wait())
+            try:
+                await asyncio.wait({newer, claims}, timeout=max(0.0, HEALTH_RESEND_S - (time.monotonic() - last_sent)),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                newer.cancel()
+                claims.cancel()
 
 
 class _Registration(reg_grpc.RegistrationServicer):
@@ -253,6 +316,17 @@ class _Registration(reg_grpc.RegistrationServicer):
             self, request: reg.RegistrationStatus, context: Any) -> reg.RegistrationStatusResponse:
         self._plugin.registered(request.plugin_registered, request.error)
         return reg.RegistrationStatusResponse()
+
+
+class _Health(health_grpc.DRAResourceHealthServicer):
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodeWatchResources(
+            self, request: health_pb.NodeWatchResourcesRequest, context: Any
+    ) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
+        async for response in self._plugin.watch_health():
+            yield response
 
 
 async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:

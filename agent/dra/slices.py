@@ -188,6 +188,21 @@ def published_migs(state: NodeState, taints: bool = False) -> list[tuple[GpuInfo
     return [(parents[m.parent_index], m) for m in state.inventory.mig_devices if m.parent_index in parents]
 
 
+def device_gpus(state: NodeState) -> dict[str, str]:
+    """Every device name the node's inventory has (whole GPUs and MIG devices), with its GPU's UUID."""
+    named = {device_name(g): g.uuid for g in state.inventory.gpus}
+    by_index = {g.index: g.uuid for g in state.inventory.gpus}
+    named.update({mig_device_name(m): by_index[m.parent_index] for m in state.inventory.mig_devices
+                  if m.parent_index in by_index})
+    return named
+
+
+def published_names(state: NodeState) -> list[str]:
+    """The names of the devices the slice carries where unhealthy ones stay in (the layout's, not draining)."""
+    return [*(device_name(g) for g in published_gpus(state, taints=True)),
+            *(mig_device_name(m) for _, m in published_migs(state, taints=True))]
+
+
 def taint_key(driver: str) -> str:
     """The key of the device taint an unhealthy GPU and its MIG devices carry."""
     return f"{driver}/unhealthy"

@@ -12,7 +12,8 @@ from agent.deviceplugin.v1beta1 import api_pb2
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = [
     f"agent/{package}/{name}"
-    for package in ("deviceplugin/v1beta1", "podresources_v1", "dra/v1", "dra/v1beta1", "dra/pluginregistration")
+    for package in ("deviceplugin/v1beta1", "podresources_v1", "dra/v1", "dra/v1beta1", "dra/pluginregistration",
+                    "dra/health_v1alpha1")
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi")
 ]
 
@@ -161,3 +162,27 @@ def test_plugin_registration_wire_contract() -> None:
     assert fields == {("PluginInfo", "type"): 1, ("PluginInfo", "name"): 2, ("PluginInfo", "endpoint"): 3,
                       ("PluginInfo", "supported_versions"): 4, ("RegistrationStatus", "plugin_registered"): 1,
                       ("RegistrationStatus", "error"): 2}
+
+
+def test_dra_health_wire_contract() -> None:
+    """k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto (Kubernetes 1.34): the kubelet calls
+    /v1alpha1.DRAResourceHealth/NodeWatchResources, a server stream."""
+    from agent.dra.health_v1alpha1 import api_pb2 as health
+
+    assert health.DESCRIPTOR.package == "v1alpha1"
+    methods = {f"/{s.full_name}/{m.name}": (m.input_type.name, m.output_type.name, m.client_streaming,
+                                              m.server_streaming)
+               for s in health.DESCRIPTOR.services_by_name.values() for m in s.methods}
+    assert methods == {"/v1alpha1.DRAResourceHealth/NodeWatchResources": (
+        "NodeWatchResourcesRequest", "NodeWatchResourcesResponse", False, True)}
+    fields = {(m.name, f.name): (f.number, f.message_type.name if f.message_type else
+                                 f.enum_type.name if f.enum_type else SCALARS[f.type])
+              for m in health.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert fields == {
+        ("DeviceIdentifier", "pool_name"): (1, "string"), ("DeviceIdentifier", "device_name"): (2, "string"),
+        ("DeviceHealth", "device"): (1, "DeviceIdentifier"), ("DeviceHealth", "health"): (2, "HealthStatus"),
+        ("DeviceHealth", "last_updated_time"): (3, "int64"),
+        ("NodeWatchResourcesResponse", "devices"): (1, "DeviceHealth"),
+    }
+    status = health.DESCRIPTOR.enum_types_by_name["HealthStatus"]
+    assert {v.name: v.number for v in status.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
