@@ -31,6 +31,14 @@ ARCHITECTURE_NAMES = {
 }
 """The architecture as NVIDIA's DRA driver writes it (go-nvlib's GetArchitectureAsString)."""
 
+BRAND_NAMES = {
+    0: "Unknown", 1: "Quadro", 2: "Tesla", 3: "NVS", 4: "Grid", 5: "GeForce", 6: "Titan", 7: "NvidiaVApps",
+    8: "NvidiaVPC", 9: "NvidiaVCS", 10: "NvidiaVWS", 11: "NvidiaCloudGaming", 12: "QuadroRTX", 13: "NvidiaRTX",
+    14: "Nvidia", 15: "GeForceRTX", 16: "TitanRTX",
+}
+"""NVML_BRAND_* values as NVIDIA's DRA driver writes its `brand` attribute (go-nvlib's GetBrandAsString);
+a value it does not name is left out."""
+
 PcieRootLookup = Callable[[str], str | None]
 
 
@@ -57,6 +65,8 @@ class GpuInfo(Protocol):
     def numa_node(self) -> int | None: ...
     @property
     def mig_enabled(self) -> bool: ...
+    @property
+    def brand(self) -> int | None: ...
 
 
 class MigInfo(Protocol):
@@ -230,6 +240,7 @@ def _common(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRoo
     major, minor = gpu.compute_capability
     attributes: dict[str, dict[str, Any]] = {
         "productName": {"string": gpu.name},
+        **({"brand": {"string": BRAND_NAMES[gpu.brand]}} if gpu.brand in BRAND_NAMES else {}),
         "architecture": {"string": ARCHITECTURE_NAMES.get(gpu.architecture, gpu.architecture.capitalize())},
         "cudaComputeCapability": {"version": f"{major}.{minor}.0"},
         "driverVersion": {"version": semver(driver.version)},

@@ -172,6 +172,10 @@ class NvmlBackend:
             virtualization = int(lib.nvmlDeviceGetVirtualizationMode(h))
         except pynvml.NVMLError_NotSupported:
             virtualization = pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE
+        try:
+            brand: int | None = int(lib.nvmlDeviceGetBrand(h))
+        except pynvml.NVMLError_NotSupported:
+            brand = None
         return GpuInfo(
             index=index,
             uuid=_text(lib.nvmlDeviceGetUUID(h)),
@@ -187,6 +191,7 @@ class NvmlBackend:
             mig_pending=mig_pending,
             pci_class=self.pci_class_lookup(bus_id),
             virtualization_mode=virtualization,
+            brand=brand,
         )
 
     def _nvlinks(self, h: Any) -> Iterator[tuple[bool, str]]:

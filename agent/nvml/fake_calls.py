@@ -131,6 +131,13 @@ class FakeCalls(FakeMig):
         return int(pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)  # bare metal
 
     @_api()
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        self._device(handle)
+        # Every model of the catalog is a data-centre GPU, which NVML brands NVIDIA (nvidia-smi -q:
+        # "Product Brand : NVIDIA").
+        return int(pynvml.NVML_BRAND_NVIDIA)
+
+    @_api()
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return self.spec.gpus[self._device(handle).gpu].serial
 

@@ -34,6 +34,8 @@ class GpuInfo:
     """The PCI class code (0x030200 a 3D controller, a GPU in compute mode; 0x030000 VGA, display mode)."""
     virtualization_mode: int = 0
     """NVML_GPU_VIRTUALIZATION_MODE_*: 0 bare metal, 1 passthrough, 2 a vGPU in a guest."""
+    brand: int | None = None
+    """nvmlDeviceGetBrand, an NVML_BRAND_* value (14 NVIDIA for data-centre GPUs); None where NVML does not say."""
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ def test_dgx_h100_gpu_device_carries_nvidias_attributes_and_the_nvswitch_domain(
         "index": {"int": 0},
         "minor": {"int": 0},
         "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "brand": {"string": "Nvidia"},  # NVML_BRAND_NVIDIA, as go-nvlib names it
         "architecture": {"string": "Hopper"},
         "cudaComputeCapability": {"version": "9.0.0"},
         "driverVersion": {"version": "570.133.20"},
@@ -130,6 +132,7 @@ def test_mig_devices_carry_profile_parent_placement_and_their_gpus_topology() ->
         "placementStart": {"int": 4},
         "placementSize": {"int": 4},
         "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "brand": {"string": "Nvidia"},
         "architecture": {"string": "Hopper"},
         "cudaComputeCapability": {"version": "9.0.0"},
         "driverVersion": {"version": "570.133.20"},
@@ -203,3 +206,18 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ClaimError) as err:
         ClaimStore(paths, DRIVER)
     assert str(err.value) == f"the DRA checkpoint {paths.checkpoint} is not a version 1 checkpoint"
+
+
+@pytest.mark.parametrize(("brand", "published"), [(13, "NvidiaRTX"), (2, "Tesla"), (0, "Unknown"), (99, None)])
+def test_brand_as_nvidias_driver_names_it(brand: int, published: str | None) -> None:
+    state = node("pcie-l40s-4")
+    gpus = tuple(dataclasses.replace(g, brand=brand) for g in state.inventory.gpus)
+    state = state.evolve(inventory=dataclasses.replace(state.inventory, gpus=gpus))
+    found = by_name(slice_spec(state, "n", DRIVER, 1))["gpu-0"]["attributes"].get("brand")  # type: ignore[attr-defined]
+    assert found == (None if published is None else {"string": published})
+
+
+def test_the_fake_brands_its_gpus_as_nvml_brands_data_centre_gpus() -> None:
+    fake = FakeNvml(load_node("dgx-h100"))
+    fake.nvmlInit()
+    assert fake.nvmlDeviceGetBrand(fake.nvmlDeviceGetHandleByIndex(0)) == 14  # NVML_BRAND_NVIDIA
