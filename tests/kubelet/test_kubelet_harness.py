@@ -203,24 +203,51 @@ mig-configs:
 """
 
 
-def test_agent_serves_two_mig_profiles_and_whole_gpus_to_one_pod(
-    kubelet_harness: HarnessBinaries, tmp_path: Path
-) -> None:
+def run_multi(harness: Path, tmp_path: Path, config: str, *flags: str) -> tuple[int, dict[str, str], str]:
+    """The multi scenario: the agent on the two-profile layout, one pod asking for all three resources."""
     layouts = tmp_path / "layouts.yaml"
     layouts.write_text(TWO_PROFILES_AND_WHOLE_GPUS)
     state = apply_mig_layout(tmp_path, "two-profiles-and-whole-gpus", layouts)
-    agent = agent_command("--mock-state", str(state), "--config", str(write_config(tmp_path, MIXED)))
+    agent = agent_command("--mock-state", str(state), "--config", str(write_config(tmp_path, config)))
     resources = [
         f"nvidia.com/mig-1g.10gb={4 * MIG_1G_PER_GPU}:2",
         f"nvidia.com/mig-3g.40gb={2 * MIG_3G_PER_GPU}:1",
         "nvidia.com/gpu=2:1",
     ]
-    code, verdicts, output = run_harness(
-        kubelet_harness.harness, "-scenario", "multi", "-resources", ",".join(resources),
-        "-expect-numa", numa_pairs(inspect(state)), "--", *agent,
-    )
+    return run_harness(harness, "-scenario", "multi", "-resources", ",".join(resources),
+                       "-expect-numa", numa_pairs(inspect(state)), *flags, "--", *agent)
+
+
+def test_agent_serves_two_mig_profiles_and_whole_gpus_to_one_pod(
+    kubelet_harness: HarnessBinaries, tmp_path: Path
+) -> None:
+    code, verdicts, output = run_multi(kubelet_harness.harness, tmp_path, MIXED)
     assert verdicts == dict.fromkeys(ALLOCATION_CHECKS, "PASS"), output
     assert code == 0, output
+
+
+CDI_CHECKS = [c if c != "allocate-env" else "allocate-cdi" for c in ALLOCATION_CHECKS]
+
+
+def test_agent_gives_one_container_every_device_of_three_resources_through_cdi(
+    kubelet_harness: HarnessBinaries, tmp_path: Path
+) -> None:
+    config = MIXED + "  plugin:\n    deviceListStrategy: cdi-cri\n"
+    code, verdicts, output = run_multi(kubelet_harness.harness, tmp_path, config, "-one-container",
+                                       "-device-list", "cdi-cri")
+    assert verdicts == dict.fromkeys(CDI_CHECKS, "PASS"), output
+    assert code == 0, output
+
+
+def test_one_container_with_three_resources_gets_one_visible_devices_list(
+    kubelet_harness: HarnessBinaries, tmp_path: Path
+) -> None:
+    # The kubelet keeps the first NVIDIA_VISIBLE_DEVICES of a container's Allocate responses and drops the
+    # others (pkg/kubelet/cm/devicemanager/pod_devices.go, "Environment variable has conflicting setting"):
+    # with the envvar strategy, one container cannot get the devices of several resources.
+    code, verdicts, output = run_multi(kubelet_harness.harness, tmp_path, MIXED, "-one-container")
+    assert verdicts == {**dict.fromkeys(ALLOCATION_CHECKS, "PASS"), "allocate-env": "FAIL"}, output
+    assert code == 1, output
 
 
 def test_agent_time_sliced_replicas_reach_the_kubelet(kubelet_harness: HarnessBinaries, tmp_path: Path) -> None:
@@ -307,8 +334,13 @@ def test_scenarios_fail_a_stand_in_that_breaks_the_contract(
         (["-scenario", "mig", "-resources", "nvidia.com/mig-1g.10gb=56", "--", "true"],
          'kubelet-harness: -resources: "nvidia.com/mig-1g.10gb=56" is not NAME=DEVICES:REQUEST'),
         (["-scenario", "mig"], "kubelet-harness: -scenario mig needs the plugin command after --"),
+        (["-scenario", "mig", "-one-container", "--", "true"],
+         "kubelet-harness: -one-container is for -scenario multi"),
+        (["-scenario", "mig", "-device-list", "volume-mounts", "--", "true"],
+         'kubelet-harness: -device-list: "volume-mounts" is neither envvar nor cdi-cri'),
     ],
-    ids=["unknown-scenario", "health-without-inject", "bad-resources", "no-plugin"],
+    ids=["unknown-scenario", "health-without-inject", "bad-resources", "no-plugin", "one-container-not-multi",
+         "bad-device-list"],
 )
 def test_harness_refuses_bad_scenario_flags_in_one_line(
     kubelet_harness: HarnessBinaries, args: list[str], message: str

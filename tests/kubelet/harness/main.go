@@ -84,6 +84,8 @@ type options struct {
 	recover      string
 	unhealthy    string
 	healthWithin time.Duration
+	oneContainer bool
+	deviceList   string
 }
 
 func main() {
@@ -121,7 +123,7 @@ func run() int {
 	if opts.scenario == "gpu" {
 		h.run()
 	} else {
-		r.names = scenarios[opts.scenario].checks
+		r.names = opts.scenarioChecks()
 		h.runScenario()
 	}
 	r.finish()
@@ -156,6 +158,9 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.unhealthy, "unhealthy", "", "-scenario health: ID of the device -inject makes unhealthy")
 	flag.DurationVar(&o.healthWithin, "health-within", 15*time.Second,
 		"-scenario health: limit for each health change to reach the manager")
+	flag.BoolVar(&o.oneContainer, "one-container", false, "-scenario multi: ask for every resource in one container")
+	flag.StringVar(&o.deviceList, "device-list", "envvar", "-scenario mig, multi, replicas: how Allocate names "+
+		"the devices, envvar (NVIDIA_VISIBLE_DEVICES) or cdi-cri (CDI devices nvidia.com/gpu=ID)")
 	flag.Parse()
 	if err := o.scenarioFlags(*resources); err != nil {
 		return nil, err

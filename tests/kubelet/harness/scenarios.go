@@ -64,6 +64,20 @@ var scenarios = map[string]scenario{
 	}, resources: []resourceSpec{{"nvidia.com/gpu", 8, 0}}},
 }
 
+// scenarioChecks is the scenario's check list; with -device-list cdi-cri,
+// allocate-cdi takes the place of allocate-env.
+func (o *options) scenarioChecks() []string {
+	checks := slices.Clone(scenarios[o.scenario].checks)
+	if o.deviceList == "cdi-cri" {
+		checks[slices.Index(checks, "allocate-env")] = "allocate-cdi"
+	}
+	return checks
+}
+
+// cdiKind is the CDI kind of NVIDIA's GPUs and MIG devices (nvidia-ctk's
+// specs, and the names NVIDIA's device plugin returns).
+const cdiKind = "nvidia.com/gpu"
+
 func scenarioNames() []string {
 	names := []string{"gpu"}
 	for name := range scenarios {
@@ -106,6 +120,15 @@ func (o *options) scenarioFlags(text string) error {
 			}
 			o.resources = append(o.resources, spec)
 		}
+	}
+	if o.oneContainer && o.scenario != "multi" {
+		return fmt.Errorf("-one-container is for -scenario multi")
+	}
+	if o.deviceList != "envvar" && o.deviceList != "cdi-cri" {
+		return fmt.Errorf("-device-list: %q is neither envvar nor cdi-cri", o.deviceList)
+	}
+	if o.deviceList != "envvar" && o.scenario == "health" {
+		return fmt.Errorf("-device-list is for the scenarios that allocate: mig, multi, replicas")
 	}
 	minRequest := 1
 	switch o.scenario {
@@ -164,19 +187,37 @@ func gpuOf(id string) string {
 	return id
 }
 
-// scenarioPod asks for each resource in its own container.
-func scenarioPod(resources []resourceSpec) *v1.Pod {
+// scenarioPod asks for each resource in its own container, or with
+// oneContainer for all of them in one.
+func scenarioPod(resources []resourceSpec, oneContainer bool) *v1.Pod {
 	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{
 		Name: "gpu-pod", Namespace: "default", UID: types.UID("4f6d7a9e-0b1c-4d2e-8f3a-5b6c7d8e9f02"),
 	}}
 	for i, r := range resources {
-		limits := v1.ResourceList{v1.ResourceName(r.name): resource.MustParse(strconv.Itoa(r.request))}
+		quantity := resource.MustParse(strconv.Itoa(r.request))
+		if oneContainer && i > 0 {
+			c := &pod.Spec.Containers[0]
+			c.Resources.Limits[v1.ResourceName(r.name)] = quantity
+			c.Resources.Requests[v1.ResourceName(r.name)] = quantity
+			continue
+		}
 		pod.Spec.Containers = append(pod.Spec.Containers, v1.Container{
 			Name: fmt.Sprintf("cuda-%d", i), Image: "cuda",
-			Resources: v1.ResourceRequirements{Limits: limits, Requests: limits},
+			Resources: v1.ResourceRequirements{
+				Limits:   v1.ResourceList{v1.ResourceName(r.name): quantity},
+				Requests: v1.ResourceList{v1.ResourceName(r.name): quantity},
+			},
 		})
 	}
 	return pod
+}
+
+// containerOf is the pod's container that asks for the i-th resource.
+func (h *harness) containerOf(i int) *v1.Container {
+	if h.opts.oneContainer {
+		return &h.pod.Spec.Containers[0]
+	}
+	return &h.pod.Spec.Containers[i]
 }
 
 func (h *harness) runScenario() {
@@ -186,7 +227,7 @@ func (h *harness) runScenario() {
 			h.dir, maxSocketPath)
 		return
 	}
-	h.pod = scenarioPod(o.resources)
+	h.pod = scenarioPod(o.resources, o.oneContainer)
 	k, err := startKubelet(h.dir, h.activePods)
 	if err != nil {
 		r.fail("registration", "%v", err)
@@ -452,9 +493,10 @@ func mapsEqual(a, b map[int64]int) bool {
 // admission handler does, and checks every plugin call the manager made.
 func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*pluginapi.Device) {
 	o, r := h.opts, h.report
-	allocErrs := make([]error, len(o.resources))
-	for i := range o.resources {
-		allocErrs[i] = k.manager.Allocate(h.pod, &h.pod.Spec.Containers[i])
+	admitted := map[string]error{}
+	for i := range h.pod.Spec.Containers {
+		c := &h.pod.Spec.Containers[i]
+		admitted[c.Name] = k.manager.Allocate(h.pod, c)
 	}
 	k.rec.mu.Lock()
 	preferred := slices.Clone(k.rec.preferred)
@@ -498,9 +540,10 @@ func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*plu
 				mine = append(mine, c)
 			}
 		}
-		container := &h.pod.Spec.Containers[i]
-		allocated, err := checkContainerAllocate(k, h.pod, container, res.name, allocErrs[i], mine, answers[i])
-		if err == nil {
+		container := h.containerOf(i)
+		allocated, err := checkContainerAllocate(k, h.pod, container, res.name, admitted[container.Name], mine,
+			answers[i])
+		if err == nil && !o.oneContainer {
 			err = onlyResource(k, h.pod, container, res.name)
 		}
 		if err != nil {
@@ -511,31 +554,84 @@ func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*plu
 		allocDetail = append(allocDetail, fmt.Sprintf("container %s: Allocate(%v) for %s", container.Name, allocated,
 			res.name))
 	}
+	handed := "allocate-env"
+	if o.deviceList == "cdi-cri" {
+		handed = "allocate-cdi"
+	}
 	if len(allocProblems) > 0 {
 		r.fail("allocate", "%s", strings.Join(allocProblems, "; "))
-		r.fail("allocate-env", "not checked: allocation failed")
+		r.fail(handed, "not checked: allocation failed")
 		return
 	}
 	r.pass("allocate", "%s", strings.Join(allocDetail, "; "))
 
-	var envProblems, envDetail []string
-	for i, res := range o.resources {
-		want := granted[i]
+	// What the runtime must get for each container: each allocated device
+	// once (a replica as its GPU).
+	wants := make([][]string, len(o.resources))
+	cdiOf := map[string][]string{} // container name -> every CDI device of its resources
+	for i := range o.resources {
+		wants[i] = granted[i]
 		if o.scenario == "replicas" {
-			want = distinctGPUs(granted[i])
+			wants[i] = distinctGPUs(granted[i])
 		}
-		value, err := checkContainerEnv(k, h.pod, &h.pod.Spec.Containers[i], o.envVar, calls[i], want)
+		name := h.containerOf(i).Name
+		for _, id := range wants[i] {
+			cdiOf[name] = append(cdiOf[name], cdiKind+"="+id)
+		}
+	}
+	var problems, detail []string
+	for i, res := range o.resources {
+		container := h.containerOf(i)
+		var value string
+		var err error
+		if o.deviceList == "cdi-cri" {
+			value, err = checkContainerCDI(k, h.pod, container, calls[i], wants[i], cdiOf[container.Name])
+		} else {
+			value, err = checkContainerEnv(k, h.pod, container, o.envVar, calls[i], wants[i])
+			value = o.envVar + "=" + value
+		}
 		if err != nil {
-			envProblems = append(envProblems, fmt.Sprintf("%s: %v", res.name, err))
+			problems = append(problems, fmt.Sprintf("%s: %v", res.name, err))
 			continue
 		}
-		envDetail = append(envDetail, fmt.Sprintf("container %s: %s=%s", h.pod.Spec.Containers[i].Name, o.envVar, value))
+		detail = append(detail, fmt.Sprintf("container %s, %s: %s", container.Name, res.name, value))
 	}
-	if len(envProblems) > 0 {
-		r.fail("allocate-env", "%s", strings.Join(envProblems, "; "))
+	if len(problems) > 0 {
+		r.fail(handed, "%s", strings.Join(problems, "; "))
 		return
 	}
-	r.pass("allocate-env", "%s", strings.Join(envDetail, "; "))
+	r.pass(handed, "%s", strings.Join(detail, "; "))
+}
+
+// checkContainerCDI checks the CDI devices in the answer for one resource
+// (exactly kind=ID of each wanted device), and that the manager hands the
+// runtime exactly the CDI devices of all the container's resources.
+func checkContainerCDI(k *kubelet, pod *v1.Pod, container *v1.Container, call allocateCall, want []string,
+	all []string) (string, error) {
+	var names []string
+	for _, d := range call.resp.ContainerResponses[0].CdiDevices {
+		names = append(names, d.Name)
+	}
+	var wanted []string
+	for _, id := range want {
+		wanted = append(wanted, cdiKind+"="+id)
+	}
+	if !slices.Equal(sorted(names), sorted(wanted)) {
+		return "", fmt.Errorf("allocate response names CDI devices %v, want exactly %v", names, sorted(wanted))
+	}
+	runOpts, err := k.manager.GetDeviceRunContainerOptions(pod, container)
+	if err != nil {
+		return "", fmt.Errorf("the manager has no run options for the container: %v", err)
+	}
+	var handed []string
+	for _, d := range runOpts.CDIDevices {
+		handed = append(handed, d.Name)
+	}
+	if !slices.Equal(sorted(handed), sorted(all)) {
+		return "", fmt.Errorf("the runtime would get CDI devices %v for container %s, want %v", sorted(handed),
+			container.Name, sorted(all))
+	}
+	return "CDI devices " + strings.Join(names, ","), nil
 }
 
 // checkReplicaSpread: the preferred replicas are on exactly -replica-gpus GPUs.
