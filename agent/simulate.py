@@ -100,49 +100,110 @@ class StandInKubelet(api_pb2_grpc.RegistrationServicer):
 
 
 class InMemoryNode:
-    """A Node object held in memory, with the same operations the agent uses on the API server."""
+    """A Node object held in memory, answering the operations the agent uses the way the API server does
+    (tests/integration/test_node_contract.py holds both to the same cases): each change gets the next
+    resourceVersion and a change that changes nothing gets none; a watch delivers every version after the one
+    it starts from, in order, and one that starts before the kept history fails with 410 Expired; taints
+    written against a stale resourceVersion fail with 409 Conflict; labels and annotations are merge-patched
+    (None removes a key), conditions merged by type."""
+
+    HISTORY = 1000
+    """Versions kept for watches (the API server's watch cache); a watch from before them gets 410."""
+
+    class Expired(Exception):
+        """A watch from a resourceVersion older than the kept history (HTTP 410)."""
+
+        status = 410
+        reason = "Expired"
 
     def __init__(self, name: str) -> None:
-        self.view = NodeView(name=name, resource_version="1", uid=f"uid-{name}")
+        self._current = NodeView(name=name, resource_version="1", uid=f"uid-{name}")
+        self._history: list[NodeView] = []
+        """The versions after ``_start``, oldest first."""
+        self._start = 1
+        """The oldest resourceVersion a watch may start from."""
+        self._wakeup = asyncio.Event()
         self.events: list[tuple[str, str, str]] = []
         self.writes = 0
-        self.changed = asyncio.Event()
+        """Write requests, as NodeApi counts them: patches, taints, conditions and Events, no-ops included."""
+        self.watched: str | None = None
+        """The resourceVersion up to which a watch has handed over every version and come back for more (its
+        consumer has dealt with them all); None until a watch waits."""
+
+    @property
+    def view(self) -> NodeView:
+        """The Node as it is now."""
+        return self._current
+
+    @view.setter
+    def view(self, view: NodeView) -> None:
+        """Replace the Node as stored, history and all (a test's starting point, before anything watches)."""
+        self._current, self._history, self._start = view, [], int(view.resource_version)
+        self._wake()
+
+    def compact(self) -> None:
+        """Forget every version before the current one, as the API server does when its watch cache starts
+        over (a restart) or etcd compacts: a watch from an older resourceVersion then gets 410."""
+        self._history.clear()
+        self._start = int(self._current.resource_version)
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        self._wakeup = asyncio.Event()
 
     def _next(self, **changes: Any) -> NodeView:
-        self.writes += 1
-        version = str(int(self.view.resource_version) + 1)
-        self.view = dataclasses.replace(self.view, resource_version=version, **changes)
-        self.changed.set()
-        return self.view
+        changed = dataclasses.replace(self._current, **changes)
+        if changed == self._current:
+            return self._current  # the API server stores nothing and keeps the resourceVersion
+        self._current = dataclasses.replace(changed, resource_version=str(int(self._current.resource_version) + 1))
+        self._history.append(self._current)
+        if len(self._history) > self.HISTORY:
+            self._start = int(self._history.pop(0).resource_version)
+        self._wake()
+        return self._current
 
     async def get(self) -> NodeView:
-        return self.view
+        return self._current
 
     async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
+        after = int(resource_version)
         while True:
-            self.changed.clear()
-            await self.changed.wait()
-            yield self.view
+            if after < self._start:
+                raise self.Expired(f"too old resource version: {after} ({self._start})")
+            for view in [v for v in self._history if int(v.resource_version) > after]:
+                yield view
+                after = int(view.resource_version)
+            if after < self._start:
+                continue  # the history moved on while the consumer was busy: expired
+            wakeup = self._wakeup
+            if int(self._current.resource_version) > after:
+                continue
+            self.watched = str(after)
+            await wakeup.wait()
 
     async def patch_metadata(
         self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
     ) -> NodeView:
-        new_labels = {**self.view.labels, **labels}
-        new_annotations = {**self.view.annotations, **annotations}
+        self.writes += 1
+        new_labels = {**self._current.labels, **labels}
+        new_annotations = {**self._current.annotations, **annotations}
         return self._next(
             labels={k: v for k, v in new_labels.items() if v is not None},
             annotations={k: v for k, v in new_annotations.items() if v is not None},
         )
 
     async def set_taints(self, taints: Sequence[Mapping[str, str]], resource_version: str) -> NodeView:
-        if resource_version != self.view.resource_version:
-            raise Conflict(f"node is at {self.view.resource_version}, not {resource_version}")
+        self.writes += 1
+        if resource_version != self._current.resource_version:
+            raise Conflict(f"node is at {self._current.resource_version}, not {resource_version}")
         return self._next(taints=tuple(dict(t) for t in taints))
 
     async def set_condition(self, condition: Condition) -> NodeView:
-        return self._next(conditions={**self.view.conditions, condition.type: condition})
+        self.writes += 1
+        return self._next(conditions={**self._current.conditions, condition.type: condition})
 
     async def event(self, reason: str, message: str, kind: str = "Normal", uid: str = "") -> None:
+        self.writes += 1
         self.events.append((kind, reason, message))
 
 
