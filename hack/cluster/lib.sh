@@ -54,7 +54,7 @@ logs_dir=$run_dir/logs
 # did not exist before, and cluster-down removes exactly those.
 outside_paths=(
     /var/lib/kubelet /var/lib/gpu-node-agent /dev/nvidia-caps /var/log/pods /var/log/containers
-    /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns
+    /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns /run/cdi
 )
 # The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.
 kubelet_sysctls=(

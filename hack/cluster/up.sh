@@ -33,6 +33,7 @@ stage() {
 
 stage "packages" "$here/packages.sh"
 stage "binaries" "$repo_root/hack/testbin.sh"
+stage "containerd" "$here/containerd.sh"
 stage "images" "$here/images.sh"
 "$here/down.sh" --quiet
 
@@ -66,7 +67,10 @@ bring_up() {
         --initial-cluster=node=http://127.0.0.1:2380 --log-level=warn --unsafe-no-fsync
 
     write_containerd_config
-    start_daemon containerd containerd --config "$run_dir/containerd/config.toml"
+    make_device_nodes
+    # The CDI spec directory, before containerd starts watching it (DRA mode writes the claims' specs there).
+    mkdir -p /run/cdi
+    start_daemon containerd "$testbin_dir/containerd" --config "$run_dir/containerd/config.toml"
 
     local pki=$run_dir/pki
     wait_for 30 "etcd" in_netns curl -fsS --max-time 1 http://127.0.0.1:2379/health
@@ -115,7 +119,9 @@ version = 2
 root = "$c/root"
 state = "$c/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs"]
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
+  # NRI (on by default in containerd 2.x) would make its socket and plugin directories in /run, /opt and /etc.
+  "io.containerd.nri.v1.nri"]
 [grpc]
   address = "$c/containerd.sock"
 [ttrpc]
@@ -127,11 +133,16 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   # root here lacks CAP_SYS_RESOURCE: runc cannot lower a sandbox's oom_score_adj to -998.
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
+  # CDI: the devices of DRA claims (the kubelet passes them as CDI names; containerd 2.x defaults, spelled out).
+  enable_cdi = true
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      # The shim built with containerd (hack/cluster/containerd.sh), not Debian's 1.6 one.
+      runtime_path = "$testbin_dir/containerd-shim-runc-v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = "$run_dir/runc"
@@ -157,6 +168,16 @@ TOML
 JSON
 }
 
+# Stand-ins for the GPUs' device nodes (/dev/nvidia<minor>, character devices 195:<minor> as the NVIDIA driver makes
+# them) under a device root of their own, not in the machine's /dev: the agent in DRA mode (flags.nvidiaDevRoot)
+# names them as the host paths of the device nodes in its CDI specs, and containerd gives them to the containers.
+# Nothing opens them: with no NVIDIA driver loaded, an open fails with ENXIO.
+make_device_nodes() {
+    mkdir -p "$run_dir/nvidia-dev/dev"
+    local i
+    for ((i = 0; i < gpus; i++)); do mknod -m 666 "$run_dir/nvidia-dev/dev/nvidia$i" c 195 "$i"; done
+}
+
 write_kustomization() {
     local k=$run_dir/kustomize
     mkdir -p "$k"
@@ -174,6 +195,33 @@ patches:
       - op: replace
         path: /spec/template/spec/containers/0/args/6
         value: mock:$preset
+KZ
+    # DRA mode (tests/e2e/test_dra.py applies it and goes back to the one above): the same agent with
+    # deployments/dra/ and the Component deployments/dra/mode, and the stand-in device nodes as its device root.
+    local d=$run_dir/kustomize-dra
+    mkdir -p "$d"
+    cat >"$d/kustomization.yaml" <<KZ
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - ../kustomize
+  - $(realpath --relative-to="$d" "$repo_root/deployments/dra")
+components:
+  - $(realpath --relative-to="$d" "$repo_root/deployments/dra/mode")
+patches:
+  - patch: |
+      apiVersion: v1
+      kind: ConfigMap
+      metadata: {name: gpu-node-agent-config, namespace: gpu-node-agent}
+      data:
+        config.yaml: |
+          version: v1
+          mig:
+            layoutsFile: /etc/gpu-agent/mig-layouts.yaml
+          dra:
+            enabled: true
+          flags:
+            nvidiaDevRoot: $run_dir/nvidia-dev
 KZ
 }
 

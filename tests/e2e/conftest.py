@@ -27,8 +27,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        for script in (HACK / "packages.sh", REPO / "hack" / "testbin.sh", HACK / "images.sh"):
+        for script in (HACK / "packages.sh", REPO / "hack" / "testbin.sh", HACK / "containerd.sh", HACK / "images.sh"):
             subprocess.run([str(script)], check=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # DRA mode first (test_dra.py moves the node to DRA mode and back): the other modules then find the node as the
+    # cluster brought it up, and their MIG layouts do not reach it.
+    here = Path(__file__).parent
+    dra = [item for item in items if Path(str(item.fspath)) == here / "test_dra.py"]
+    rest = [item for item in items if item not in dra]
+    at = next((i for i, item in enumerate(rest) if Path(str(item.fspath)).parent == here), len(rest))
+    items[:] = rest[:at] + dra + rest[at:]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -52,7 +62,7 @@ def machine_state() -> dict[str, str]:
     watched = ("/run/netns", "/var/lib/kubelet", "/run/containerd", str(RUN_DIR), "/var/lib/gpu-node-agent")
     paths = ["/var/lib/kubelet", "/var/lib/gpu-node-agent", "/dev/nvidia-caps", "/var/log/pods",
              "/var/log/containers", "/run/containerd", "/var/lib/cni", "/opt/containerd", "/var/lib/containerd",
-             "/run/netns", str(RUN_DIR)]
+             "/run/netns", "/run/cdi", str(RUN_DIR)]
     cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/kubepods"))
     processes = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):

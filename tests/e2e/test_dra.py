@@ -1,0 +1,200 @@
+"""DRA mode on the real kubelet: the node moved to DRA mode as docs/dra.md says (deployments/dra/ and the Component
+deployments/dra/mode on top of the cluster's DaemonSet), a pod with the shipped "2 GPUs on one NVLink domain" claim
+scheduled by the real scheduler, prepared by the agent through the real kubelet and started by containerd with the
+claim's CDI devices, and the node moved back to device-plugin mode. conftest.py runs this module first, so the rest
+of the e2e tests find the node as the cluster brought it up.
+
+The node has no NVIDIA driver: its GPUs' device nodes are stand-ins (hack/cluster/up.sh makes /dev/nvidia<minor>,
+character devices 195:<minor>, under a device root of their own, the agent's flags.nvidiaDevRoot here), which the
+CDI specs name as host paths and containerd creates in the containers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import BUSYBOX, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
+
+pytestmark = pytest.mark.timeout(300)
+
+DRIVER = "gpu.gpu-node-agent.io"
+SLICE = f"{NODE}-{DRIVER}"
+TEMPLATE = REPO / "deployments" / "dra" / "examples" / "two-gpus-one-nvlink-domain.yaml"
+KUBELET = Path("/var/lib/kubelet")
+REGISTRATION_SOCKET = KUBELET / "plugins_registry" / f"{DRIVER}-reg.sock"
+DRA_SOCKET = KUBELET / "plugins" / DRIVER / "dra.sock"
+CHECKPOINT = KUBELET / "plugins" / DRIVER / "checkpoint.json"
+CDI_DIR = Path("/var/run/cdi")
+NVIDIA_MAJOR = 195
+"""The NVIDIA driver's character device major (/proc/devices: nvidia-frontend), which the stand-ins have."""
+
+
+def preset_gpus() -> list[dict[str, Any]]:
+    """The preset's GPUs by index, as `gpu-agent inspect` shows them."""
+    out = subprocess.run([str(REPO / ".venv" / "bin" / "gpu-agent"), "inspect", "--nvml", f"mock:{PRESET}", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    gpus: list[dict[str, Any]] = sorted(json.loads(out)["gpus"], key=lambda g: g["index"])
+    return gpus
+
+
+def the_slice(cluster: Cluster) -> Any:
+    return cluster.get("resourceslice", SLICE)
+
+
+def node_slices(cluster: Cluster) -> list[str]:
+    items = cluster.get("resourceslices", "--field-selector", f"spec.nodeName={NODE}")["items"]
+    return [s["metadata"]["name"] for s in items]
+
+
+def agent_log(cluster: Cluster) -> str:
+    return cluster.kubectl("logs", "-n", NAMESPACE, cluster.agent_pod())
+
+
+def rolled_out(cluster: Cluster) -> None:
+    cluster.kubectl("rollout", "status", "-n", NAMESPACE, "daemonset/gpu-node-agent", "--timeout=120s", timeout=140)
+
+
+@pytest.fixture(scope="module")
+def dra_node(cluster: Cluster) -> Iterator[Cluster]:
+    """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left."""
+    assert cluster.allocatable() == "8"
+    started = time.monotonic()
+    cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
+    try:
+        rolled_out(cluster)
+        eventually(lambda: len(the_slice(cluster)["spec"]["devices"]) == 8, 60, "the node's ResourceSlice")
+        TIMES["DRA mode applied -> ResourceSlice with 8 GPUs"] = time.monotonic() - started
+        yield cluster
+    finally:
+        back = time.monotonic()
+        # docs/dra.md, going back: the device-plugin DaemonSet and config again, the DRA objects deleted.
+        cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
+        cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
+        rolled_out(cluster)
+        eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+        TIMES["device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
+    pod = cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["device-plugins", "pod-resources", "state", "nvidia-caps",
+                                                   "config", "tmp"]
+    config = cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"]["config.yaml"]
+    assert "dra" not in config
+    assert not REGISTRATION_SOCKET.exists()
+    # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
+    eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
+    TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
+
+
+def test_the_kubelet_registered_the_dra_plugin_and_the_slice_holds_the_eight_gpus(dra_node: Cluster) -> None:
+    cluster = dra_node
+    assert REGISTRATION_SOCKET.is_socket() and DRA_SOCKET.is_socket()
+    registrations = [line for line in cluster.kubelet_log().splitlines()
+                     if "RegisterPlugin started" in line and str(REGISTRATION_SOCKET) in line]
+    assert registrations, "the kubelet never took up the agent's registration socket"
+    # The kubelet's NotifyRegistrationStatus(registered) is what the agent logs this on.
+    eventually(lambda: f"registered DRA driver {DRIVER} with the kubelet" in agent_log(cluster), 30,
+               "the kubelet's registration of the DRA driver")
+    # No device plugin for whole GPUs any more: the kubelet has none to give.
+    eventually(lambda: cluster.allocatable() == "0", 30, "Allocatable nvidia.com/gpu: 0")
+
+    spec = the_slice(cluster)["spec"]
+    assert (spec["driver"], spec["nodeName"], spec["pool"]["name"], spec["pool"]["resourceSliceCount"]) == (
+        DRIVER, NODE, NODE, 1)
+    devices = {d["name"]: d for d in spec["devices"]}
+    gpus = preset_gpus()
+    assert sorted(devices) == [f"gpu-{i}" for i in range(8)]
+    for gpu in gpus:
+        device = devices[f"gpu-{gpu['index']}"]
+        attributes = {k: next(iter(v.values())) for k, v in device["attributes"].items()}
+        # A DGX H100: eight H100 SXM5 80GB (132 SMs), four on each CPU socket, all eight on one NVSwitch fabric,
+        # and no bridged pairs.
+        assert {k: attributes.get(k) for k in (
+            "type", "uuid", "index", "minor", "productName", "architecture", "cudaComputeCapability", "numaNode",
+            "nvlinkGroup", "nvlinkDomain", "nvlinkPair", "resource.kubernetes.io/pciBusID")} == {
+            "type": "gpu", "uuid": gpu["uuid"], "index": gpu["index"], "minor": gpu["minor"],
+            "productName": "NVIDIA H100 80GB HBM3", "architecture": "Hopper", "cudaComputeCapability": "9.0.0",
+            "numaNode": 0 if gpu["index"] < 4 else 1, "nvlinkGroup": 0, "nvlinkDomain": 0, "nvlinkPair": None,
+            # NVML's bus id has an 8-digit domain (00000000:18:00.0), sysfs and the attribute 4 (0000:18:00.0).
+            "resource.kubernetes.io/pciBusID": gpu["pci_bus_id"].lower().removeprefix("0000")}
+        assert device["capacity"] == {"memory": {"value": "81559Mi"}, "multiprocessors": {"value": "132"}}
+
+
+def claim_pod(name: str, template: str) -> dict[str, Any]:
+    """A pod holding one claim made from `template`; it prints what its container was given, then sleeps."""
+    command = ('echo "VISIBLE $NVIDIA_VISIBLE_DEVICES"; '
+               "for d in /dev/nvidia*; do [ -e \"$d\" ] && stat -c 'DEV %n %F %t:%T' \"$d\"; done; sleep 3600")
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+            "restartPolicy": "Never",
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": template}],
+            "containers": [{
+                "name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", command],
+                "resources": {"claims": [{"name": "gpus"}]},
+            }],
+        },
+    }
+
+
+def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unprepared_after(
+        dra_node: Cluster) -> None:
+    cluster = dra_node
+    uuids = {f"gpu-{g['index']}": g["uuid"] for g in preset_gpus()}
+    domains = {d["name"]: d["attributes"].get("nvlinkDomain", {}).get("int")
+               for d in the_slice(cluster)["spec"]["devices"]}
+    cluster.kubectl("apply", "-n", "default", "-f", str(TEMPLATE))
+    try:
+        started = time.monotonic()
+        cluster.apply(claim_pod("dra-two-gpus", "two-gpus-one-nvlink-domain"))
+        eventually(lambda: cluster.get("pod", "-n", "default", "dra-two-gpus")["status"].get("phase") == "Running",
+                   90, "the claim's pod Running")
+        TIMES["DRA claim pod created -> Running"] = time.monotonic() - started
+
+        pod = cluster.get("pod", "-n", "default", "dra-two-gpus")
+        assert pod["spec"]["nodeName"] == NODE
+        claim_name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        claim = cluster.get("resourceclaim", "-n", "default", claim_name)
+        results = claim["status"]["allocation"]["devices"]["results"]
+        devices = sorted(r["device"] for r in results)
+        assert [(r["driver"], r["pool"], r["request"]) for r in results] == [(DRIVER, NODE, "gpus")] * 2
+        assert len(set(devices)) == 2 and len({domains[d] for d in devices}) == 1 and None not in {
+            domains[d] for d in devices}, (devices, domains)
+        assert [r["uid"] for r in claim["status"]["reservedFor"]] == [pod["metadata"]["uid"]]
+
+        uid = claim["metadata"]["uid"]
+        spec_file = CDI_DIR / f"{DRIVER}-claim-{uid}.json"
+        spec = json.loads(spec_file.read_text())
+        assert spec["kind"] == f"{DRIVER}/gpu"
+
+        def printed() -> list[str]:
+            lines = cluster.kubectl("logs", "-n", "default", "dra-two-gpus", check=False).splitlines()
+            return lines if any(line.startswith("VISIBLE ") for line in lines) else []
+        lines = eventually(printed, 60, "the pod's output")
+        visible = next(line for line in lines if line.startswith("VISIBLE ")).removeprefix("VISIBLE ")
+        assert sorted(visible.split(",")) == sorted(uuids[d] for d in devices)
+        # Exactly the claim's GPUs' device nodes, with the NVIDIA major and the GPUs' minors (stat prints hex).
+        minors = sorted(int(d.removeprefix("gpu-")) for d in devices)
+        assert sorted(line for line in lines if line.startswith("DEV ")) == [
+            f"DEV /dev/nvidia{m} character special file {NVIDIA_MAJOR:x}:{m:x}" for m in minors]
+        assert set(json.loads(CHECKPOINT.read_text())["claims"]) == {uid}
+
+        cluster.delete_pods("dra-two-gpus")
+        gone = time.monotonic()
+        eventually(lambda: not spec_file.exists(), 60, "the claim's CDI spec removed (NodeUnprepareResources)")
+        TIMES["DRA claim pod deleted -> claim unprepared"] = time.monotonic() - gone
+        assert json.loads(CHECKPOINT.read_text())["claims"] == {}
+        # The claim made from the template goes with its pod.
+        eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60,
+                   "the pod's claim deleted")
+        assert f"unprepared claim {uid}" in agent_log(cluster)
+    finally:
+        cluster.delete_pods("dra-two-gpus")
+        cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
