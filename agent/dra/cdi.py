@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +28,26 @@ def cdi_id(driver: str, name: str) -> str:
 
 
 def claim_spec(driver: str, claim_uid: str, devices: Sequence[tuple[str, str, Sequence[str]]],
-               control_nodes: Sequence[str], dev_root: Path) -> dict[str, Any]:
+               control_nodes: Sequence[str], dev_root: Path,
+               env: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
     """The spec for one claim's devices, given as (device name, GPU or MIG UUID, device nodes): a CDI device
-    per device with its device nodes, and one for the claim with the control device nodes and
-    NVIDIA_VISIBLE_DEVICES naming every device of the claim (so that a container given all of the claim's CDI
-    devices sees each once)."""
+    per device with its device nodes (and the environment `env` gives that device, from the opaque config),
+    and one for the claim with the control device nodes and NVIDIA_VISIBLE_DEVICES naming every device of the
+    claim (so that a container given all of the claim's CDI devices sees each once)."""
 
     def node(path: str) -> dict[str, str]:
         host = str(dev_root / path.lstrip("/"))
         return {"path": path} if host == path else {"path": path, "hostPath": host}
 
+    def edits(name: str, nodes: Sequence[str]) -> dict[str, Any]:
+        found: dict[str, Any] = {"deviceNodes": [node(p) for p in nodes]}
+        variables = (env or {}).get(name)
+        if variables:
+            found["env"] = [f"{k}={v}" for k, v in sorted(variables.items())]
+        return found
+
     listed: list[dict[str, Any]] = [
-        {"name": gpu_device_name(claim_uid, name), "containerEdits": {"deviceNodes": [node(p) for p in nodes]}}
-        for name, _, nodes in devices
+        {"name": gpu_device_name(claim_uid, name), "containerEdits": edits(name, nodes)} for name, _, nodes in devices
     ]
     claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={','.join(uuid for _, uuid, _ in devices)}"]}
     if control_nodes:

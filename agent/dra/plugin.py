@@ -1,13 +1,14 @@
-"""The kubelet side of DRA mode: registration through the kubelet's plugin registration API and the DRA gRPC
-service (v1 and v1beta1).
+"""The kubelet side of DRA mode: registration through the kubelet's plugin registration API, the DRA gRPC
+service (v1 and v1beta1) and the DRA health service (v1alpha1).
 
 A registration socket in the kubelet's plugins_registry directory answers GetInfo (a DRAPlugin named after the
 driver, its endpoint, the services it serves) and NotifyRegistrationStatus (on success the ResourceSlice is
 checked again: the kubelet deletes a driver's slices when the driver registers). The DRA socket answers
 NodePrepareResources, which reads each claim from the API server, keeps its results for this driver and node,
-writes one CDI spec per claim and returns the CDI ids, and NodeUnprepareResources, which removes them. Both are
-idempotent; every change is written to a checkpoint file before it is answered, so a restart in between
-loses nothing.
+applies this driver's opaque config from the class and the claim (agent/dra/opaque.py), writes one CDI spec
+per claim and returns the CDI ids, and NodeUnprepareResources, which removes them. Both are idempotent; every
+change is written to a checkpoint file before it is answered, so a restart in between loses nothing. The same
+socket streams the health of every published or prepared device to the kubelet (NodeWatchResources).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import grpc
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.health_v1alpha1 import api_pb2 as health_pb
 from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
+from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.pluginregistration import api_pb2 as reg
 from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
 from agent.dra.slices import device_gpus, mig_device_name, published_names
@@ -226,8 +228,12 @@ class DraKubeletPlugin:
             if device not in known:
                 raise ClaimError(f"{where}: device {device} is not a device of node {self.node}")
             picked.setdefault(device, []).append(str(result.get("request")))
+        try:
+            env = device_env(self.driver, (allocation.get("devices") or {}).get("config") or [], picked)
+        except ConfigProblem as err:
+            raise ClaimError(f"{where}: {err}") from None
         listed = [(device, *known[device]) for device in sorted(picked)]
-        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root)
+        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env)
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
                              (cdi_id(self.driver, gpu_device_name(uid, device)), shared))

@@ -32,6 +32,7 @@ from dra_rig import (
     example,
     remove_workloads,
     setup_cluster,
+    shipped,
     slices_of,
 )
 from kubernetes import client as k8s
@@ -204,3 +205,61 @@ async def test_a_mig_device_claim_is_allocated_and_prepared(
             {"name": f"claim-{uid}-{first}", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia7"}]}},
             {"name": f"claim-{uid}", "containerEdits": {"env": [f"NVIDIA_VISIBLE_DEVICES={migs[0].uuid}"]}},
         ]
+
+
+ENV_CLASS = "gpu-env.gpu-node-agent.io"
+
+
+def gpu_config(**env: str) -> dict[str, object]:
+    return {"driver": DRIVER, "parameters": {"apiVersion": f"{DRIVER}/v1", "kind": "GpuConfig", "env": env}}
+
+
+async def test_opaque_config_of_the_class_and_the_claim_reaches_the_containers_and_a_bad_one_is_refused(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    custom = k8s.CustomObjectsApi(apiserver.admin_client())
+    (whole_gpus,) = [c for c in shipped("deviceclass.yaml") if c["metadata"]["name"] == DEVICE_CLASS]
+    await asyncio.to_thread(custom.create_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": ENV_CLASS},
+        "spec": {**whole_gpus["spec"], "config": [{"opaque": gpu_config(MODE="class", FROM_CLASS="1")}]}})
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    try:
+        async with dra_agent(apiserver, kubeconfig, "dra-config", "a100-pcie-nvlink-pairs", root=root):
+            await asyncio.to_thread(create_claim, apiserver, "tuned", {"devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": ENV_CLASS, "count": 1}}],
+                "config": [{"requests": ["gpu"], "opaque": gpu_config(MODE="claim")}]}})
+            await asyncio.to_thread(create_claim, apiserver, "wrong", {"devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": ENV_CLASS, "count": 1}}],
+                "config": [{"opaque": {"driver": DRIVER, "parameters": {
+                    "apiVersion": f"{DRIVER}/v1", "kind": "MpsConfig"}}}]}})
+            # The shipped template: the shipped class has no config of its own.
+            await asyncio.to_thread(create_template, apiserver, "with-env", example("one-gpu-with-env.yaml"))
+            await asyncio.to_thread(create_pod, apiserver, "tuned", "tuned")
+            await asyncio.to_thread(create_pod, apiserver, "wrong", "wrong")
+            await asyncio.to_thread(create_pod, apiserver, "with-env", template="with-env")
+            claims = {}
+            for pod_name in ("tuned", "wrong", "with-env"):
+                await asyncio.to_thread(allocated, apiserver, pod_name)
+                claims[pod_name] = await asyncio.to_thread(claim_of_pod, apiserver, pod_name)
+            uids = {name: c["metadata"]["uid"] for name, c in claims.items()}
+            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+                answer = await v1_grpc.DRAPluginStub(channel).NodePrepareResources(v1.NodePrepareResourcesRequest(
+                    claims=[v1.Claim(namespace=NAMESPACE, uid=uids[n], name=claims[n]["metadata"]["name"])
+                            for n in claims]), timeout=10)
+            assert answer.claims[uids["tuned"]].error == ""
+            assert answer.claims[uids["with-env"]].error == ""
+            assert answer.claims[uids["wrong"]].error == (
+                f"claim {NAMESPACE}/wrong: the claim's config[0]: unknown configuration apiVersion "
+                f"'{DRIVER}/v1' kind 'MpsConfig' (this driver reads apiVersion '{DRIVER}/v1' kind 'GpuConfig')")
+            assert not (root / "cdi" / f"{DRIVER}-claim-{uids['wrong']}.json").exists()
+
+            def gpu_env(pod_name: str) -> list[str]:
+                spec = json.loads((root / "cdi" / f"{DRIVER}-claim-{uids[pod_name]}.json").read_text())
+                (device,) = [d for d in spec["devices"] if d["name"] != f"claim-{uids[pod_name]}"]
+                return list(device["containerEdits"].get("env", []))
+
+            assert gpu_env("tuned") == ["FROM_CLASS=1", "MODE=claim"]
+            assert gpu_env("with-env") == ["CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    finally:
+        await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses",
+                                ENV_CLASS)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, parse_config
+from agent.dra.cdi import claim_spec
+from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.pci import sysfs_pcie_root
 from agent.dra.slices import semver, slice_name, slice_spec
 from agent.nvml.backend import fake_backend
@@ -184,8 +186,6 @@ def test_config_section() -> None:
 
 
 def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
-    from agent.dra.cdi import claim_spec
-
     spec = claim_spec(DRIVER, "u1", [("gpu-3", "GPU-c", ["/dev/nvidia3"])], ["/dev/nvidiactl", "/dev/nvidia-uvm"],
                       Path("/run/nvidia/driver"))
     assert spec == {"cdiVersion": "0.6.0", "kind": "gpu.gpu-node-agent.io/gpu", "devices": [
@@ -221,3 +221,60 @@ def test_the_fake_brands_its_gpus_as_nvml_brands_data_centre_gpus() -> None:
     fake = FakeNvml(load_node("dgx-h100"))
     fake.nvmlInit()
     assert fake.nvmlDeviceGetBrand(fake.nvmlDeviceGetHandleByIndex(0)) == 14  # NVML_BRAND_NVIDIA
+
+
+def gpu_config(env: object, **extra: object) -> dict[str, object]:
+    return {"apiVersion": "gpu.gpu-node-agent.io/v1", "kind": "GpuConfig", "env": env, **extra}
+
+
+def entry(source: str, parameters: object, requests: list[str] | None = None,
+          driver: str = DRIVER) -> dict[str, object]:
+    return {"source": source, "requests": requests or [], "opaque": {"driver": driver, "parameters": parameters}}
+
+
+def test_opaque_config_claim_over_class_by_request() -> None:
+    configs = [
+        # As the allocator lists them: the claim's entries may come before or after the class's.
+        entry("FromClaim", gpu_config({"MODE": "claim", "ONLY_PAIR": "1"}), ["gpus/pair"]),
+        entry("FromClass", gpu_config({"MODE": "class", "CLASS": "yes"})),
+        entry("FromClaim", {"anything": "at all"}, driver="other.example.com"),  # not this driver's
+        entry("FromClaim", gpu_config({"LOG": "debug"}), ["extra"]),
+    ]
+    env = device_env(DRIVER, configs, {"gpu-0": ["gpus/pair"], "gpu-1": ["gpus/pair"], "gpu-2": ["extra"]})
+    assert env == {
+        "gpu-0": {"MODE": "claim", "ONLY_PAIR": "1", "CLASS": "yes"},
+        "gpu-1": {"MODE": "claim", "ONLY_PAIR": "1", "CLASS": "yes"},
+        "gpu-2": {"MODE": "class", "CLASS": "yes", "LOG": "debug"},
+    }
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"apiVersion": "gpu.nvidia.com/v1beta1", "kind": "GpuConfig"},
+     "the claim's config[1]: unknown configuration apiVersion 'gpu.nvidia.com/v1beta1' kind 'GpuConfig' (this "
+     "driver reads apiVersion 'gpu.gpu-node-agent.io/v1' kind 'GpuConfig')"),
+    (gpu_config({}, sharing={"strategy": "TimeSlicing"}), "the claim's config[1]: GpuConfig has no field 'sharing' "
+                                                           "(it has: env)"),
+    (gpu_config({"1BAD": "x"}), "the claim's config[1]: GpuConfig.env: '1BAD' is not an environment variable name"),
+    (gpu_config({"N": 3}), "the claim's config[1]: GpuConfig.env.N: 3 is not a string"),
+    (gpu_config(["A=1"]), "the claim's config[1]: GpuConfig.env is not an object of names to strings"),
+    (gpu_config({"NVIDIA_VISIBLE_DEVICES": "all"}),
+     "the claim's config[1]: GpuConfig.env: NVIDIA_VISIBLE_DEVICES is set by the driver"),
+    ("text", "the claim's config[1]: the parameters are not a JSON object but str"),
+])
+def test_opaque_config_problems_are_one_line(parameters: object, message: str) -> None:
+    configs = [entry("FromClass", gpu_config({"A": "1"})), entry("FromClaim", gpu_config({"B": "2"})),
+               entry("FromClaim", parameters)]
+    with pytest.raises(ConfigProblem) as caught:
+        device_env(DRIVER, configs, {"gpu-0": ["gpus"]})
+    assert str(caught.value) == message
+
+
+def test_cdi_spec_carries_each_devices_environment() -> None:
+    spec = claim_spec(DRIVER, "u1", [("gpu-0", "GPU-a", ["/dev/nvidia0"]), ("gpu-1", "GPU-b", ["/dev/nvidia1"])],
+                      [], Path("/"), {"gpu-0": {"B": "2", "A": "1"}, "gpu-1": {}})
+    assert spec["devices"] == [
+        {"name": "claim-u1-gpu-0",
+         "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}], "env": ["A=1", "B=2"]}},
+        {"name": "claim-u1-gpu-1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1"}]}},
+        {"name": "claim-u1", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b"]}},
+    ]
