@@ -130,6 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("the node name is unknown: set NODE_NAME or --node-name (or run with --no-kube)")
     if args.kubeconfig is not None and not args.kubeconfig.is_file():
         raise CliError(f"kubeconfig {args.kubeconfig} does not exist")
+    _check_pod_resources_socket(config)
     backend = _backend(args.nvml, args.mock_state)
 
     async def main() -> int:
@@ -141,6 +142,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 kube = await NodeApi.connect(args.kubeconfig, args.node_name)
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
+            from agent.kube.selfpod import NotTolerated, check_at_start
+
+            try:
+                await check_at_start(kube, config.health.taint)
+            except NotTolerated as err:
+                await kube.close()
+                raise CliError(str(err)) from None
         options = AgentOptions(
             config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
             metrics_host=args.metrics_address, kube=kube,
@@ -158,6 +166,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     except NvmlUnavailable as err:
         hint = " (is the NVIDIA driver installed, and libnvidia-ml.so.1 injected into the container?)"
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
+
+
+def _check_pod_resources_socket(config: Any) -> None:
+    """The kubelet's PodResources socket: a path that cannot be it is refused; one not there yet is a warning."""
+    from agent.podresources import SocketPathError, check_socket
+
+    mig = config.mig
+    try:
+        warning = check_socket(mig.pod_resources_socket, configured="pod_resources_socket" in mig.model_fields_set)
+    except SocketPathError as err:
+        raise CliError(str(err)) from None
+    if warning is not None:
+        logging.getLogger("agent.podresources").warning("%s", warning)
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:

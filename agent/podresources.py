@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,3 +58,68 @@ async def allocations(socket: Path) -> list[DeviceHolder]:
                     found.append(DeviceHolder(pod.namespace, pod.name, container.name, devices.resource_name,
                                               device_id))
     return found
+
+
+class SocketPathError(ValueError):
+    """The configured PodResources socket path cannot be the kubelet's socket; the message is one line."""
+
+
+def check_socket(path: Path, configured: bool = True) -> str | None:
+    """Check `mig.podResourcesSocket` before the agent starts. Raises SocketPathError for a path that cannot be
+    the socket (something other than a socket is there, or its directory is not a directory); returns a warning
+    line when the socket is not there yet (the kubelet makes it when it starts), None when it is there.
+
+    A directory that does not exist is refused when the path was set in the config (a mistyped overlay); the
+    default path's directory is missing wherever no kubelet runs, which is a warning like a missing socket."""
+    where = f"mig.podResourcesSocket {path}"
+    try:
+        found = path.lstat()
+    except FileNotFoundError:
+        found = None
+    except NotADirectoryError:
+        found = None
+    except OSError as err:
+        return f"{where}: cannot be checked ({err.strerror}); the agent starts without knowing"
+    if found is not None:
+        if stat.S_ISSOCK(found.st_mode):
+            return None
+        if stat.S_ISLNK(found.st_mode):
+            try:
+                if stat.S_ISSOCK(path.stat().st_mode):
+                    return None
+            except OSError:
+                return _missing(where)  # a dangling link: the kubelet may not have made its target yet
+        raise SocketPathError(f"{where} is {_kind(path)}, not a socket: set it to the kubelet's PodResources "
+                              "socket (<kubelet root>/pod-resources/kubelet.sock)")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SocketPathError(f"{where}: {existing} is {_kind(existing)}, not a directory")
+    if existing != path.parent:
+        if configured:
+            raise SocketPathError(f"{where}: the directory {path.parent} does not exist (the kubelet makes its "
+                                  "socket in <kubelet root>/pod-resources; mount that directory into the container)")
+        return _missing(where, f"; the directory {path.parent} does not exist either")
+    return _missing(where)
+
+
+def _missing(where: str, more: str = "") -> str:
+    return (f"{where} does not exist yet{more} (the kubelet makes it): until it does, MIG changes do not check "
+            "for pods on the GPUs and GPU metrics carry no pod labels")
+
+
+def _kind(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "not usable"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"

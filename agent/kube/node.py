@@ -1,4 +1,5 @@
-"""The agent's own Node through the API server: get, watch with relist, patch owned parts, record Events.
+"""The agent's own Node through the API server: get, watch with relist, patch owned parts, record Events; and a
+read of the agent's own Pod.
 
 A few REST calls over aiohttp rather than the generated kubernetes client: the agent makes six kinds of request
 on one object, and the generated client's models alone would cost it about 40 MB of its 100 MB budget.
@@ -180,7 +181,7 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
 
 
 class NodeApi:
-    """What the agent does with the API: its own Node only. Counts every write it makes."""
+    """What the agent does with the API: its own Node (and a read of its own Pod). Counts every write it makes."""
 
     def __init__(self, credentials: Credentials, node_name: str) -> None:
         self._credentials = credentials
@@ -224,6 +225,12 @@ class NodeApi:
 
     async def get(self) -> NodeView:
         return node_view(await self._request("GET", self._node_path))
+
+    async def get_pod(self, namespace: str, name: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """A Pod as the API server has it: the agent reads its own, to check its tolerations (agent/kube/selfpod.py)."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+        pod = await self._request("GET", path, timeout=timeout)
+        return pod if isinstance(pod, dict) else {}
 
     async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
         """Node versions after `resource_version`; ends when the watch expires (the caller lists again).

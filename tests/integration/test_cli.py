@@ -127,3 +127,94 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     shell = f"{sys.executable} -m agent.cli mig plan --nvml mock:hgx-16-nvswitch --layout all-1g.10gb | head -n 1"
     done = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (0, "GPU 0: enable MIG\n", "")
+
+
+# --- the kubelet's PodResources socket (mig.podResourcesSocket), checked at start ---------------------------
+
+
+def pod_resources_config(tmp_path: Path, socket: Path) -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"version: v1\nmig:\n  stateDir: {tmp_path / 'state'}\n  podResourcesSocket: {socket}\n")
+    return config
+
+
+@pytest.mark.parametrize(("make", "line"), [
+    ("file", "mig.podResourcesSocket {socket} is a regular file, not a socket: set it to the kubelet's PodResources "
+             "socket (<kubelet root>/pod-resources/kubelet.sock)"),
+    ("dir", "mig.podResourcesSocket {socket} is a directory, not a socket: set it to the kubelet's PodResources "
+            "socket (<kubelet root>/pod-resources/kubelet.sock)"),
+    ("fifo", "mig.podResourcesSocket {socket} is a FIFO, not a socket: set it to the kubelet's PodResources socket "
+             "(<kubelet root>/pod-resources/kubelet.sock)"),
+    ("parent-file", "mig.podResourcesSocket {socket}: {parent} is a regular file, not a directory"),
+    ("no-parent", "mig.podResourcesSocket {socket}: the directory {parent} does not exist (the kubelet makes its "
+                  "socket in <kubelet root>/pod-resources; mount that directory into the container)"),
+])
+def test_a_pod_resources_path_that_cannot_be_the_socket_is_refused(make: str, line: str, tmp_path: Path) -> None:
+    parent = tmp_path / "pod-resources"
+    socket = parent / "kubelet.sock"
+    if make == "parent-file":
+        parent.write_text("")
+    elif make != "no-parent":
+        parent.mkdir()
+        if make == "file":
+            socket.write_text("")
+        elif make == "dir":
+            socket.mkdir()
+        else:
+            os.mkfifo(socket)
+    kubelet_dir = short_dir()
+    try:
+        done = gpu_agent("run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir),
+                         "--metrics-port", "0", "--config", str(pod_resources_config(tmp_path, socket)))
+    finally:
+        shutil.rmtree(kubelet_dir, ignore_errors=True)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == f"gpu-agent run: error: {line.format(socket=socket, parent=parent)}\n"
+    assert not (tmp_path / "state").exists()  # nothing was started or made
+
+
+def started_lines(config: Path) -> list[str]:
+    """The agent's log up to its start line, then SIGTERM; it exits 0."""
+    kubelet_dir = short_dir()
+    proc = subprocess.Popen([*AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir",
+                             str(kubelet_dir), "--metrics-port", "0", "--config", str(config)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if "agent started:" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        shutil.rmtree(kubelet_dir, ignore_errors=True)
+    assert proc.returncode == 0, lines
+    assert "agent started:" in lines[-1], lines
+    return lines
+
+
+def test_a_pod_resources_socket_not_there_yet_is_one_warning(tmp_path: Path) -> None:
+    (tmp_path / "pod-resources").mkdir()
+    socket = tmp_path / "pod-resources" / "kubelet.sock"
+    lines = started_lines(pod_resources_config(tmp_path, socket))
+    said = [line.split(" agent.podresources: ", 1) for line in lines if " agent.podresources: " in line]
+    assert [(head.split()[-1], text) for head, text in said] == [(
+        "WARNING", f"mig.podResourcesSocket {socket} does not exist yet (the kubelet makes it): until it does, MIG "
+                   "changes do not check for pods on the GPUs and GPU metrics carry no pod labels")]
+
+
+def test_a_pod_resources_socket_that_is_there_is_not_mentioned(tmp_path: Path) -> None:
+    import socket as sockets
+
+    directory = short_dir()
+    path = directory / "kubelet.sock"
+    listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        lines = started_lines(pod_resources_config(tmp_path, path))
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    assert not [line for line in lines if "agent.podresources" in line], lines

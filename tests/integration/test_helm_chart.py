@@ -445,8 +445,8 @@ def test_extra_args_and_env(helm: Helm) -> None:
     # As the agent reads them, a flag given again wins.
     assert parser().parse_args(c["args"]).log_format == "text"
     assert [e["name"] for e in c["env"]] == [
-        "NODE_NAME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_MIG_CONFIG_DEVICES",
-        "NVIDIA_MIG_MONITOR_DEVICES", "TZ", "POD_IP",
+        "NODE_NAME", "POD_NAME", "POD_NAMESPACE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+        "NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES", "TZ", "POD_IP",
     ]  # fmt: skip
     assert c["env"][-2:] == [
         {"name": "TZ", "value": "UTC"},
@@ -477,6 +477,8 @@ def test_namespace(helm: Helm) -> None:
     assert namespaces(docs) == {"ml-infra"}
     [binding] = [doc for doc in docs if doc["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-node-agent", "namespace": "ml-infra"}]
+    [pod_reader] = [doc for doc in docs if doc["kind"] == "RoleBinding"]
+    assert pod_reader["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-node-agent", "namespace": "ml-infra"}]
     assert policy_username(docs) == "request.userInfo.username == 'system:serviceaccount:ml-infra:gpu-node-agent'"
 
     other = helm.render({"namespaceOverride": "gpu-system"}, "--namespace", "ml-infra")
@@ -495,6 +497,8 @@ def test_release_name_and_name_overrides(helm: Helm) -> None:
         ("ConfigMap", "gpu-node-agent", "edge-gpu-node-agent-config"),
         ("ConfigMap", "gpu-node-agent", "edge-gpu-node-agent-mig-layouts"),
         ("DaemonSet", "gpu-node-agent", "edge-gpu-node-agent"),
+        ("Role", "gpu-node-agent", "edge-gpu-node-agent"),
+        ("RoleBinding", "gpu-node-agent", "edge-gpu-node-agent"),
         ("ServiceAccount", "gpu-node-agent", "edge-gpu-node-agent"),
         ("ValidatingAdmissionPolicy", None, "edge-gpu-node-agent-own-node"),
         ("ValidatingAdmissionPolicyBinding", None, "edge-gpu-node-agent-own-node"),
@@ -504,6 +508,11 @@ def test_release_name_and_name_overrides(helm: Helm) -> None:
     [role_binding] = [doc for doc in docs if doc["kind"] == "ClusterRoleBinding"]
     assert role_binding["roleRef"]["name"] == "edge-gpu-node-agent"
     assert role_binding["subjects"][0]["name"] == "edge-gpu-node-agent"
+    [pod_reader] = [doc for doc in docs if doc["kind"] == "RoleBinding"]
+    assert pod_reader["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                     "name": "edge-gpu-node-agent"}
+    assert pod_reader["subjects"] == [{"kind": "ServiceAccount", "name": "edge-gpu-node-agent",
+                                       "namespace": "gpu-node-agent"}]
     assert pod_spec(docs)["serviceAccountName"] == "edge-gpu-node-agent"
     assert policy_username(docs) == (
         "request.userInfo.username == 'system:serviceaccount:gpu-node-agent:edge-gpu-node-agent'"
@@ -761,6 +770,8 @@ def test_helm_template_output_applies_to_the_api_server(
         "configmap/edge-gpu-node-agent-mig-layouts serverside-applied",
         "clusterrole.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
         "clusterrolebinding.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
+        "role.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
+        "rolebinding.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
         "daemonset.apps/edge-gpu-node-agent serverside-applied",
         "validatingadmissionpolicy.admissionregistration.k8s.io/edge-gpu-node-agent-own-node serverside-applied",
         "validatingadmissionpolicybinding.admissionregistration.k8s.io/edge-gpu-node-agent-own-node serverside-applied",

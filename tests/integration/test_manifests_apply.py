@@ -30,7 +30,9 @@ POLICY_DENIAL = (
 RENDERED = [
     ("Namespace", None, "gpu-node-agent"),
     ("ServiceAccount", NAMESPACE, "gpu-node-agent"),
+    ("Role", NAMESPACE, "gpu-node-agent"),
     ("ClusterRole", None, "gpu-node-agent"),
+    ("RoleBinding", NAMESPACE, "gpu-node-agent"),
     ("ClusterRoleBinding", None, "gpu-node-agent"),
     ("ConfigMap", NAMESPACE, "gpu-node-agent-config"),
     ("ConfigMap", NAMESPACE, "gpu-node-agent-mig-layouts"),
@@ -42,7 +44,9 @@ RENDERED = [
 APPLIED = [
     "namespace/gpu-node-agent",
     "serviceaccount/gpu-node-agent",
+    "role.rbac.authorization.k8s.io/gpu-node-agent",
     "clusterrole.rbac.authorization.k8s.io/gpu-node-agent",
+    "rolebinding.rbac.authorization.k8s.io/gpu-node-agent",
     "clusterrolebinding.rbac.authorization.k8s.io/gpu-node-agent",
     "configmap/gpu-node-agent-config",
     "configmap/gpu-node-agent-mig-layouts",
@@ -196,6 +200,13 @@ def test_agent_token_can_do_only_what_rbac_and_the_policy_allow(agent: User, nod
     assert can_i("get", "secrets", "-n", "kube-system") == (1, "no\n")
     assert can_i("create", "events") == (0, "yes\n")
     assert can_i("delete", "nodes") == (1, "no\n")
+    # Its own Pod, to check its tolerations: get in its namespace, nothing else on pods.
+    assert can_i("get", "pods", "-n", NAMESPACE) == (0, "yes\n")
+    assert can_i("get", "pods", "-n", "default") == (1, "no\n")
+    assert can_i("list", "pods", "-n", NAMESPACE) == (1, "no\n")
+    assert can_i("patch", "pods", "-n", NAMESPACE) == (1, "no\n")
+    pod = agent("get", "pod", "-n", NAMESPACE, PROBE_POD, "-o", "jsonpath={.spec.nodeName}")
+    assert (pod.returncode, pod.stdout) == (0, NODE), pod.stderr
 
     labelled = agent("label", "node", NODE, "gpu-node-agent.io/probe=1", "--overwrite")
     assert (labelled.returncode, labelled.stdout) == (0, f"node/{NODE} labeled\n"), labelled.stderr

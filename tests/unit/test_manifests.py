@@ -104,6 +104,8 @@ def test_the_base_holds_exactly_these_objects() -> None:
         ("ServiceAccount", SERVICE_ACCOUNT),
         ("ClusterRole", "gpu-node-agent"),
         ("ClusterRoleBinding", "gpu-node-agent"),
+        ("Role", "gpu-node-agent"),
+        ("RoleBinding", "gpu-node-agent"),
         ("ValidatingAdmissionPolicy", "gpu-node-agent-own-node"),
         ("ValidatingAdmissionPolicyBinding", "gpu-node-agent-own-node"),
         ("ConfigMap", "gpu-node-agent-config"),
@@ -114,7 +116,7 @@ def test_the_base_holds_exactly_these_objects() -> None:
 
 def test_namespaced_objects_live_in_the_agent_namespace() -> None:
     for (kind, name), doc in manifests().items():
-        if kind in ("ServiceAccount", "ConfigMap", "DaemonSet"):
+        if kind in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "DaemonSet"):
             assert doc["metadata"]["namespace"] == NAMESPACE, f"{kind}/{name}"
         else:
             assert "namespace" not in doc["metadata"], f"{kind}/{name} is cluster-scoped"
@@ -140,7 +142,7 @@ def test_cluster_role_grants_exactly_the_agent_verbs() -> None:
 
 def test_no_wildcard_and_no_secrets_in_any_rbac_object() -> None:
     for (kind, name), doc in manifests().items():
-        if kind not in ("ClusterRole", "ClusterRoleBinding"):
+        if kind not in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
             continue
         values = strings({k: v for k, v in doc.items() if k != "metadata"})
         assert not [s for s in values if "*" in s], f"{kind}/{name} has a wildcard"
@@ -154,6 +156,17 @@ def test_cluster_role_binding_binds_the_role_to_the_service_account_only() -> No
         "kind": "ClusterRole",
         "name": "gpu-node-agent",
     }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}]
+
+
+def test_role_grants_only_reading_pods_in_the_agent_namespace() -> None:
+    # The agent reads its own Pod at start to check its tolerations against health.taint; nothing more.
+    role = one("Role", "gpu-node-agent")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+    binding = one("RoleBinding", "gpu-node-agent")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "gpu-node-agent"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}]
 
 
@@ -312,7 +325,17 @@ def test_container_runs_the_agent_for_its_own_node() -> None:
         "name": "NODE_NAME",
         "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}},
     }
-    assert {name: e.get("value") for name, e in env.items() if name != "NODE_NAME"} == {
+    # The pod's own name and namespace, for the toleration check at start.
+    assert env["POD_NAME"] == {
+        "name": "POD_NAME",
+        "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+    }
+    assert env["POD_NAMESPACE"] == {
+        "name": "POD_NAMESPACE",
+        "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}},
+    }
+    downward = ("NODE_NAME", "POD_NAME", "POD_NAMESPACE")
+    assert {name: e.get("value") for name, e in env.items() if name not in downward} == {
         "NVIDIA_VISIBLE_DEVICES": "all",
         "NVIDIA_DRIVER_CAPABILITIES": "utility",
         "NVIDIA_MIG_CONFIG_DEVICES": "all",
