@@ -311,8 +311,11 @@ def test_scenarios_pass_a_conforming_stand_in(
     [
         (STUB_REPLICAS, ["-replicas", "4", "-fault", "repeat-uuid"], ALLOCATION_CHECKS, "allocate-env"),
         (STUB_HEALTH, ["-fault", "no-recovery"], HEALTH_CHECKS, "health-recovered"),
+        # Whole GPUs advertised under a MIG resource name: GPU UUIDs where MIG UUIDs belong.
+        (["-scenario", "mig", "-resources", "nvidia.com/mig-1g.10gb=8:2"], ["-resource", "nvidia.com/mig-1g.10gb"],
+         ALLOCATION_CHECKS, "device-ids"),
     ],
-    ids=["repeat-uuid", "no-recovery"],
+    ids=["repeat-uuid", "no-recovery", "gpus-as-mig-devices"],
 )
 def test_scenarios_fail_a_stand_in_that_breaks_the_contract(
     kubelet_harness: HarnessBinaries, harness_args: list[str], stub_args: list[str], checks: list[str],

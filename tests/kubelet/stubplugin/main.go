@@ -121,11 +121,11 @@ func (p *stub) current() ([]*pluginapi.Device, <-chan struct{}) {
 	}
 	devs := make([]*pluginapi.Device, len(p.devices))
 	for i, d := range p.devices {
-		c := *d
-		if unhealthy != "" && strings.HasPrefix(c.ID, unhealthy) {
-			c.Health = pluginapi.Unhealthy
+		health := d.Health
+		if unhealthy != "" && strings.HasPrefix(d.ID, unhealthy) {
+			health = pluginapi.Unhealthy
 		}
-		devs[i] = &c
+		devs[i] = &pluginapi.Device{ID: d.ID, Health: health, Topology: d.Topology}
 	}
 	return devs, p.changed
 }
