@@ -46,10 +46,19 @@ async def reconciling(node: InMemoryNode) -> AsyncIterator[tuple[NodeReconciler,
             await task
 
 
-async def settle(reconciler: NodeReconciler) -> None:
-    for _ in range(3):
-        await asyncio.sleep(0.01)
-        await asyncio.wait_for(reconciler.converged.wait(), 5)
+async def settle(reconciler: NodeReconciler, bus: StateBus, node: InMemoryNode) -> None:
+    """Wait until the reconciler has demonstrably dealt with the newest state and the newest Node version: the
+    Node shows the intent of the bus's current state version, and the Node watch has handed the reconciler
+    every Node version (its own writes included) and been asked for the next one. Only then does "no writes"
+    mean the reconciler looked and found nothing to write."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not (reconciler.converged_version >= bus.current.version and node.watched == node.view.resource_version):
+        if loop.time() > deadline:
+            raise TimeoutError(f"the reconciler did not take in state {bus.current.version} and Node version "
+                               f"{node.view.resource_version} (it shows state {reconciler.converged_version}, "
+                               f"its watch is at {node.watched})")
+        await asyncio.sleep(0.001)
 
 
 async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
@@ -59,7 +68,7 @@ async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
         taints=(FOREIGN_TAINT,),
     )
     async with reconciling(node) as (reconciler, bus):
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         labels = dict(node.view.labels)
         assert labels["team"] == "ml"
         assert "gpu-node-agent.io/stale" not in labels
@@ -71,12 +80,12 @@ async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
         assert writes == 2  # one label patch, one condition
 
         await bus.update(draining=frozenset())  # a new state version that changes nothing on the node
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         assert node.writes == writes
 
         fault = DeviceHealth(False, "XID 79", node_fatal=True)
         await bus.update(health={"GPU-1": fault}, incidents=(Incident(1, "GPU-1", "fault", "XID 79"),))
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         assert node.view.taints == (FOREIGN_TAINT, {"key": TAINT.key, "value": "true", "effect": "NoSchedule"})
         assert node.view.conditions["GPUHealthy"] == Condition("GPUHealthy", "False", "NodeGPUFault", "XID 79")
         assert node.events == [("Warning", "GPUFault", "GPU GPU-1: XID 79")]
@@ -85,7 +94,7 @@ async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
             health={},
             incidents=(*bus.current.incidents, Incident(2, "GPU-1", "recovered", "recovered from XID 79")),
         )
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         assert node.view.taints == (FOREIGN_TAINT,)
         assert node.view.conditions["GPUHealthy"].status == "True"
         assert node.events[-1] == ("Normal", "GPURecovered", "GPU GPU-1: recovered from XID 79")
@@ -94,12 +103,24 @@ async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
 
 async def test_someone_removing_an_owned_label_gets_it_back() -> None:
     node = InMemoryNode("n1")
-    async with reconciling(node) as (reconciler, _):
-        await settle(reconciler)
+    async with reconciling(node) as (reconciler, bus):
+        await settle(reconciler, bus, node)
         await node.patch_metadata({"nvidia.com/gpu.count": None, "other": "kept"}, {})
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         assert node.view.labels["nvidia.com/gpu.count"] == "2"
         assert node.view.labels["other"] == "kept"
+
+
+async def test_a_foreign_change_is_read_and_makes_no_write() -> None:
+    node = InMemoryNode("n1")
+    async with reconciling(node) as (reconciler, bus):
+        await settle(reconciler, bus, node)
+        before = node.writes
+        view = await node.patch_metadata({"team": "ml"}, {"example.com/owner": "ops"})
+        await node.set_taints([*view.taints, FOREIGN_TAINT], view.resource_version)
+        await settle(reconciler, bus, node)
+        assert reconciler.node == node.view  # it has read the change
+        assert node.writes == before + 2  # the two foreign writes, none of its own
 
 
 def test_taints_with_keeps_foreign_taints_in_order() -> None:
@@ -124,7 +145,7 @@ async def test_incidents_past_the_history_bound_are_counted_in_one_event() -> No
     task = asyncio.create_task(reconciler.run())
     try:
         await asyncio.wait_for(reconciler.converged.wait(), 5)
-        await settle(reconciler)
+        await settle(reconciler, bus, node)
         assert node.events[0] == ("Warning", "EventsDropped", "36 earlier GPU agent event(s) could not be recorded "
                                   "in time (the history keeps the newest 64, for up to an hour)")
         assert node.events[1:] == [("Warning", "GPUWarning", f"GPU GPU-0: warning {n}") for n in range(36, 100)]
