@@ -30,7 +30,7 @@ from agent.simulate import InMemoryNode, StandInKubelet
 from tests.plugin_harness import short_dir, wait_until
 
 ORIGIN = "input.yaml"
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,7 @@ async def label_protocol(config: AgentConfig, values: list[str]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(values=st.lists(LABEL_VALUES, min_size=1, max_size=6))
 @example(values=["all-2g.99gb", "all-2g.99gb", "x" * 5000, "\x00"])
 def test_any_mig_label_value_ends_in_failed_with_a_reason_and_changes_nothing(
