@@ -49,7 +49,8 @@ def claim_spec(driver: str, claim_uid: str, devices: Sequence[tuple[str, str, Se
     listed: list[dict[str, Any]] = [
         {"name": gpu_device_name(claim_uid, name), "containerEdits": edits(name, nodes)} for name, _, nodes in devices
     ]
-    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={','.join(uuid for _, uuid, _ in devices)}"]}
+    visible = ",".join(dict.fromkeys(uuid for _, uuid, _ in devices))  # replicas of one GPU name it once
+    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={visible}"]}
     if control_nodes:
         claim_edits["deviceNodes"] = [node(p) for p in control_nodes]
     listed.append({"name": claim_device_name(claim_uid), "containerEdits": claim_edits})

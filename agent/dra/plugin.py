@@ -32,7 +32,7 @@ from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.pluginregistration import api_pb2 as reg
 from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
-from agent.dra.slices import device_gpus, mig_device_name, published_names
+from agent.dra.slices import device_gpus, mig_device_name, published_names, replica_name, time_sliced
 from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
@@ -245,9 +245,15 @@ class DraKubeletPlugin:
 
     def _devices(self) -> dict[str, tuple[str, list[str]]]:
         """Every device the slice can name, by device name: the UUID to make visible and its device nodes (for a
-        MIG device its GPU's and its capability nodes, as NVIDIA's device plugin passes them)."""
-        inventory = self._bus.current.inventory
+        time-sliced replica its GPU's; for a MIG device its GPU's and its capability nodes, as NVIDIA's device
+        plugin passes them)."""
+        state = self._bus.current
+        inventory = state.inventory
         known = {f"gpu-{g.index}": (g.uuid, [f"/dev/nvidia{g.minor}"]) for g in inventory.gpus}
+        shared = time_sliced(state)
+        for g in inventory.gpus:
+            for n in range(shared.get(g.uuid, 0)):
+                known[replica_name(g, n)] = known[f"gpu-{g.index}"]
         minors = {g.index: g.minor for g in inventory.gpus}
         for mig in inventory.mig_devices:
             gpu = f"gpu{minors[mig.parent_index]}/gi{mig.gpu_instance_id}"

@@ -5,6 +5,7 @@ real kube-scheduler on the rig's kube-apiserver; prepared claims survive a resta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from apiserver import ApiServer
+from apiserver import ApiServer, wait_until
 from dra_rig import (
     AGENT_ACCOUNT,
     AGENT_NAMESPACE,
@@ -34,6 +35,7 @@ from dra_rig import (
     setup_cluster,
     shipped,
     slices_of,
+    unschedulable,
 )
 from kubernetes import client as k8s
 
@@ -263,3 +265,76 @@ async def test_opaque_config_of_the_class_and_the_claim_reaches_the_containers_a
     finally:
         await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses",
                                 ENV_CLASS)
+
+
+SHARED_CLASS = "shared.gpu-node-agent.io"
+OTHER_NAMESPACE = "dra-test-other"
+ONE_SHARE = {"devices": {"requests": [{"name": "share", "exactly": {"deviceClassName": SHARED_CLASS, "count": 1}}]}}
+
+
+async def test_time_sliced_replicas_go_to_claims_of_two_namespaces_and_each_sees_the_gpu(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    admin = apiserver.admin_client()
+    core, custom = k8s.CoreV1Api(admin), k8s.CustomObjectsApi(admin)
+    for make in (lambda: core.create_namespace({"metadata": {"name": OTHER_NAMESPACE}}),
+                 lambda: core.create_namespaced_service_account(OTHER_NAMESPACE, {"metadata": {"name": "default"}})):
+        with contextlib.suppress(k8s.ApiException):
+            await asyncio.to_thread(make)
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    sharing = "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, devices: [0]}]}}\n"
+    try:
+        async with dra_agent(apiserver, kubeconfig, "dra-shared", "a100-pcie-nvlink-pairs", root=root,
+                             config=sharing):
+            (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-shared")
+            assert [d["name"] for d in found["spec"]["devices"]] == [
+                "gpu-0-replica-0", "gpu-0-replica-1", "gpu-1", "gpu-2", "gpu-3"]
+            await asyncio.to_thread(create_claim, apiserver, "share", ONE_SHARE)
+            await asyncio.to_thread(create_pod, apiserver, "share", "share")
+            await asyncio.to_thread(custom.create_namespaced_custom_object, "resource.k8s.io", "v1", OTHER_NAMESPACE,
+                                    "resourceclaims", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                                       "metadata": {"name": "share"}, "spec": ONE_SHARE})
+            await asyncio.to_thread(core.create_namespaced_pod, OTHER_NAMESPACE, {
+                "metadata": {"name": "share"}, "spec": {
+                    "resourceClaims": [{"name": "gpus", "resourceClaimName": "share"}],
+                    "containers": [{"name": "main", "image": "registry.invalid/cuda:test",
+                                    "resources": {"claims": [{"name": "gpus"}]}}]}})
+
+            _, here = await asyncio.to_thread(allocated, apiserver, "share")
+
+            there: list[str] = []
+
+            def other_allocated() -> bool:
+                claim = custom.get_namespaced_custom_object("resource.k8s.io", "v1", OTHER_NAMESPACE,
+                                                            "resourceclaims", "share")
+                results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results")
+                there[:] = [r["device"] for r in results or []]
+                return bool(there)
+
+            await asyncio.to_thread(wait_until, other_allocated, 60, "the other namespace's claim to be allocated")
+            assert sorted([here[0][2], *there]) == ["gpu-0-replica-0", "gpu-0-replica-1"]
+
+            # A third share does not fit: GPU 0 has two.
+            await asyncio.to_thread(create_claim, apiserver, "third", ONE_SHARE)
+            await asyncio.to_thread(create_pod, apiserver, "third", "third")
+            assert "cannot allocate all claims" in await asyncio.to_thread(unschedulable, apiserver, "third")
+
+            claims = [await asyncio.to_thread(claim_of_pod, apiserver, "share"),
+                      await asyncio.to_thread(custom.get_namespaced_custom_object, "resource.k8s.io", "v1",
+                                              OTHER_NAMESPACE, "resourceclaims", "share")]
+            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+                answer = await v1_grpc.DRAPluginStub(channel).NodePrepareResources(v1.NodePrepareResourcesRequest(
+                    claims=[v1.Claim(namespace=c["metadata"]["namespace"], uid=c["metadata"]["uid"],
+                                     name="share") for c in claims if c is not None]), timeout=10)
+            for claim in claims:
+                assert claim is not None
+                uid = claim["metadata"]["uid"]
+                assert answer.claims[uid].error == ""
+                spec = json.loads((root / "cdi" / f"{DRIVER}-claim-{uid}.json").read_text())
+                (device,) = [d for d in spec["devices"] if d["name"] != f"claim-{uid}"]
+                assert device["containerEdits"] == {"deviceNodes": [{"path": "/dev/nvidia0"}]}
+                assert spec["devices"][-1]["containerEdits"] == {"env": [f"NVIDIA_VISIBLE_DEVICES={GPU0}"]}
+    finally:
+        await asyncio.to_thread(core.delete_collection_namespaced_pod, OTHER_NAMESPACE, grace_period_seconds=0)
+        await asyncio.to_thread(custom.delete_collection_namespaced_custom_object, "resource.k8s.io", "v1",
+                                OTHER_NAMESPACE, "resourceclaims")

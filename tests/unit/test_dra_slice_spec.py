@@ -11,7 +11,8 @@ from agent.config import ConfigError, parse_config
 from agent.dra.cdi import claim_spec
 from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.pci import sysfs_pcie_root
-from agent.dra.slices import semver, slice_name, slice_spec
+from agent.dra.slices import plugin_resources, semver, slice_name, slice_spec
+from agent.inventory import plan
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
@@ -278,3 +279,39 @@ def test_cdi_spec_carries_each_devices_environment() -> None:
         {"name": "claim-u1-gpu-1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1"}]}},
         {"name": "claim-u1", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b"]}},
     ]
+
+
+SHARED = parse_config("version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n"
+                      "      - {name: nvidia.com/gpu, replicas: 3, devices: [0, 2]}\n")
+
+
+def test_time_sliced_gpus_are_published_as_their_replicas() -> None:
+    state = dataclasses.replace(node("a100-pcie-nvlink-pairs"), config=SHARED)
+    spec = by_name(slice_spec(state, "n", DRIVER, 1))
+    assert list(spec) == ["gpu-0-replica-0", "gpu-0-replica-1", "gpu-0-replica-2", "gpu-1",
+                          "gpu-2-replica-0", "gpu-2-replica-1", "gpu-2-replica-2", "gpu-3"]
+    whole = by_name(slice_spec(node("a100-pcie-nvlink-pairs"), "n", DRIVER, 1))["gpu-0"]
+    second = spec["gpu-0-replica-1"]
+    assert second["attributes"] == {**whole["attributes"], "type": {"string": "shared"},  # type: ignore[dict-item]
+                                    "replica": {"int": 1}, "replicas": {"int": 3}}
+    assert second["capacity"] == whole["capacity"] == {"memory": {"value": "81920Mi"},
+                                                       "multiprocessors": {"value": "108"}}
+    assert second["attributes"]["nvlinkPair"] == {"int": 0}  # type: ignore[index]
+    assert spec["gpu-1"]["attributes"]["type"] == {"string": "gpu"}  # type: ignore[index]
+
+
+def test_mps_shares_nothing_in_the_slice() -> None:
+    mps = parse_config("version: v1\nsharing:\n  mps:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 2}\n")
+    state = dataclasses.replace(node("a100-pcie-nvlink-pairs"), config=mps)
+    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+
+
+def test_in_dra_mode_the_device_plugin_leaves_whole_gpus_and_their_replicas_under_any_name() -> None:
+    config = parse_config("version: v1\nflags: {migStrategy: mixed}\nsharing:\n  timeSlicing:\n    resources:\n"
+                          "      - {name: nvidia.com/gpu, replicas: 2, rename: example.com/shared-gpu}\n"
+                          "      - {name: nvidia.com/mig-1g.10gb, replicas: 2}\n")
+    state = dataclasses.replace(node("dgx-h100", mig={5: [("1g.10gb", 0)]}), config=config)
+    resources = plan(state).resources
+    assert sorted(resources) == ["example.com/shared-gpu", "nvidia.com/mig-1g.10gb"]
+    assert plugin_resources(resources, dra=True) == {"nvidia.com/mig-1g.10gb"}
+    assert plugin_resources(resources, dra=False) == {"example.com/shared-gpu", "nvidia.com/mig-1g.10gb"}
