@@ -118,7 +118,7 @@ def _backend(selector: str, mock_state: Path | None) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.daemon import Agent, AgentOptions, run_until_signal
+    from agent.daemon import AgentOptions, run_until_signal
 
     setup_logging(args.log_format)
     config = load_config(args.config)
@@ -154,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_address, kube=kube,
             config_path=args.config,
         )
-        return await run_until_signal(Agent(backend, options))
+        return await run_until_signal(backend, options)
 
     from agent.daemon import StartupError
     from agent.nvml.backend import NvmlUnavailable

@@ -142,39 +142,266 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metr
         backoff = min(RESTART_BACKOFF_MAX_S, backoff * 2)
 
 
-class Agent:
-    """The running agent: NodeState bus, device-plugin servers, health monitor and HTTP endpoint."""
+class Readiness:
+    """What /readyz answers. The HTTP endpoint serves from before NVML answers, so it asks through this: not
+    ready until the agent exists, then the agent's own answer (or the idle one)."""
 
-    def __init__(self, backend: NvmlBackend, options: AgentOptions) -> None:
-        self.backend = backend
-        self.options = options
-        self.nvml = NvmlThread()
-        self.metrics = Metrics()
-        self.bus: StateBus | None = None
-        self.plugins: PluginSet | None = None
-        self.reconciler: NodeReconciler | None = None
-        self.monitor: HealthMonitor | None = None
-        self.telemetry: TelemetryCollector | None = None
-        self.mig: MigController | None = None
-        self.slices: SlicePublisher | None = None
-        """DRA mode: keeps the node's ResourceSlice."""
-        self.dra_plugin: DraKubeletPlugin | None = None
-        """DRA mode: the kubelet plugin (registration and the DRA service)."""
-        self.http: HttpEndpoint | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+    def __init__(self) -> None:
+        self.check: Callable[[], tuple[bool, str]] = lambda: (False, "NVML not initialised")
+
+    def __call__(self) -> tuple[bool, str]:
+        return self.check()
+
+
+@dataclass
+class Footing:
+    """What the agent holds before NVML answers, in every mode: the kubelet-directory lock, the NVML thread,
+    the metrics and, with a metrics port, the HTTP endpoint serving them."""
+
+    backend: NvmlBackend
+    options: AgentOptions
+    lock: DirectoryLock
+    nvml: NvmlThread
+    metrics: Metrics
+    readiness: Readiness
+    http: HttpEndpoint | None
+    """None without a metrics port."""
+
+    @classmethod
+    async def take(cls, backend: NvmlBackend, options: AgentOptions) -> Footing:
+        """Check the config's paths and the kubelet directory, take the directory's lock and the metrics port;
+        raises StartupError (holding nothing) when one of them cannot be had."""
+        check_paths(options.config)
+        check_sockets(options.kubelet_dir, ())
+        lock = DirectoryLock(options.kubelet_dir, f"another agent serves the kubelet directory {options.kubelet_dir}")
+        try:
+            lock.acquire()
+        except Held as err:
+            raise StartupError(str(err)) from None
+        metrics = Metrics()
+        readiness = Readiness()
+        http = None
+        if options.metrics_port is not None:
+            http = HttpEndpoint(metrics, readiness)
+            try:
+                await http.start(options.metrics_port, options.metrics_host)
+            except OSError as err:
+                lock.release()
+                why = os.strerror(err.errno) if err.errno else str(err)
+                raise StartupError(f"cannot serve metrics on {options.metrics_host}:{options.metrics_port}: {why} "
+                                   "(choose another --metrics-port)") from None
+        return cls(backend, options, lock, NvmlThread(), metrics, readiness, http)
+
+    async def release(self) -> None:
+        """Give back what the agent holds after its parts stopped: the HTTP endpoint, the API server client,
+        NVML, its thread and the lock."""
+        if self.http is not None:
+            await self.http.stop()
+        await _close_kube(self.options)
+        with contextlib.suppress(Exception):
+            await self.nvml(self.backend.shutdown)
+        self.nvml.close()
+        self.lock.release()
+
+
+async def _close_kube(options: AgentOptions) -> None:
+    """Close the agent's API server client (its connections), when it has one that can be closed."""
+    close = getattr(options.kube, "close", None)
+    if close is not None:
+        await close()
+
+
+async def _init_nvml(footing: Footing) -> NodeState:
+    for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
+        try:
+            await footing.nvml(footing.backend.init)
+            break
+        except NvmlUnavailable as err:
+            if attempt == NVML_INIT_ATTEMPTS:
+                raise
+            log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
+            await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
+    inventory = await footing.nvml(footing.backend.inventory)
+    config = footing.options.config
+    state = NodeState(version=1, inventory=inventory, config=config,
+                      machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
+    conflicts = sharing_conflicts(state, state.config)
+    if conflicts:
+        raise ConfigError("\n".join(conflicts))
+    return state
+
+
+async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
+                      hangup: asyncio.Event | None = None) -> Agent | IdleAgent:
+    """Start the agent: checks, the kubelet-directory lock, the HTTP endpoint, NVML (with retries), then every
+    part, serving. Returns the running Agent, or the IdleAgent when NVML is unavailable and
+    flags.failOnInitError is false. When it raises (or is cancelled, as by a signal during the NVML retries)
+    it holds nothing: the lock, the port and the API server client are given back. `hangup` is the event
+    SIGHUP sets (reload the config); a new one when not given."""
+    try:
+        footing = await Footing.take(backend, options)
+    except BaseException:
+        await _close_kube(options)
+        raise
+    try:
+        for line in options.config.without_effect:
+            log.warning("%s", line)
+        footing.metrics.config_in_force(options.config.without_effect)
+        try:
+            state = await _init_nvml(footing)
+        except NvmlUnavailable as err:
+            if options.config.flags.fail_on_init_error:
+                raise
+            idle = IdleAgent(footing, f"serving nothing: {err} (flags.failOnInitError is false)")
+            log.error("%s", idle.reason)
+            return idle
+        check_sockets(options.kubelet_dir, plan(state).resources)
+        files = NodeFiles.read()
+        if options.config.imex.channel_ids and not files.imex_channel:
+            if options.config.imex.required:
+                raise ConfigError(f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist")
+            log.warning("imex.channelIDs asks for channel 0, but %s does not exist; no channel is added",
+                        IMEX_CHANNEL)
+        bus = StateBus(state)
+        agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing.metrics),
+                      hangup if hangup is not None else asyncio.Event())
+    except BaseException:
+        await footing.release()
+        raise
+    try:
+        await agent._begin()
+    except BaseException:
+        await agent.stop()
+        raise
+    return agent
+
+
+@dataclass(frozen=True)
+class DraParts:
+    """DRA mode with an API server: the node's ResourceSlice and the DRA kubelet plugin."""
+
+    slices: SlicePublisher
+    plugin: DraKubeletPlugin
+
+
+def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, metrics: Metrics) -> DraParts | None:
+    """The DRA parts when dra.enabled and the agent has an API server client to publish with; else None."""
+    dra = options.config.dra
+    if not dra.enabled:
+        return None
+    slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc)
+    if slices is None:
+        return None
+    try:
+        plugin = DraKubeletPlugin(
+            Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root), dra.driver_name,
+            slices.node, bus, claim_reader(slices), files.control_nodes, options.config.flags.dev_root,
+            slices.republish, files.mig_minors)
+    except ClaimError as err:
+        raise StartupError(str(err)) from None
+    return DraParts(slices, plugin)
+
+
+class IdleAgent:
+    """NVML is unavailable and flags.failOnInitError is false (a DaemonSet that also lands on nodes without
+    GPUs): the agent serves nothing but its HTTP endpoint, ready, saying why."""
+
+    def __init__(self, footing: Footing, reason: str) -> None:
+        self.footing = footing
+        self.metrics = footing.metrics
+        self.reason = reason
         self.stopped = asyncio.Event()
+        footing.readiness.check = self.ready
+
+    def ready(self) -> tuple[bool, str]:
+        return True, self.reason
+
+    async def stop(self) -> None:
+        await self.footing.release()
+        self.stopped.set()
+
+
+class Agent:
+    """The running agent: NodeState bus, device-plugin servers, health monitor, telemetry, MIG manager, MPS
+    daemons and, by mode, the node reconciler, the DRA parts and the HTTP endpoint. Made by start_agent, which
+    returns it serving; every part exists from then on."""
+
+    def __init__(self, footing: Footing, bus: StateBus, files: NodeFiles, dra: DraParts | None,
+                 hangup: asyncio.Event) -> None:
+        options = footing.options
+        self.footing = footing
+        self.backend = footing.backend
+        self.options = options
+        self.nvml = footing.nvml
+        self.metrics = footing.metrics
+        self.http = footing.http
+        """The /metrics, /healthz and /readyz endpoint; None without a metrics port."""
+        self.bus = bus
         self.plans = PlanCache()
-        self.hangup = asyncio.Event()
+        self.hangup = hangup
         """Set by SIGHUP: reload the config file."""
-        self.idle: str | None = None
-        """Why the agent serves nothing (NVML unavailable with flags.failOnInitError false); None when serving."""
-        self.mps: MpsDaemons | None = None
-        self._kubelet_lock: DirectoryLock | None = None
+        self.stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
         self._allocatable_seen: int | None = None
         """The registration count at which the Node last showed the advertised devices in Allocatable."""
+        preferences = Preferences(lambda: bus.current)
+        self.plugins = PluginSet(
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
+            lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled),
+            options.kubelet_dir,
+            bus,
+            self.metrics,
+        )
+        self.monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
+        self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
+        self.mps = MpsDaemons(bus)
+        self.reconciler: NodeReconciler | None = (
+            NodeReconciler(options.kube, bus, _intent, owned, self.metrics.api_errors.inc)
+            if options.kube is not None else None)
+        """Keeps the agent's parts of its Node; None without an API server (--no-kube)."""
+        self.dra = dra
+        """DRA mode with an API server: the ResourceSlice publisher and the DRA kubelet plugin; else None."""
+
+    @classmethod
+    async def start(cls, backend: NvmlBackend, options: AgentOptions, *,
+                    hangup: asyncio.Event | None = None) -> Agent:
+        """start_agent for whoever needs an agent that serves: the idle mode (NVML unavailable with
+        flags.failOnInitError false) is a StartupError naming why, with nothing held."""
+        started = await start_agent(backend, options, hangup=hangup)
+        if isinstance(started, IdleAgent):
+            await started.stop()
+            raise StartupError(started.reason)
+        return started
+
+    async def _begin(self) -> None:
+        """Wire the metrics to the parts and start every task (and the DRA kubelet plugin's server)."""
+        bus, monitor, telemetry, opts = self.bus, self.monitor, self.telemetry, self.options
+        self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
+        self._spawn("device-plugins", self.plugins.run)
+        self._spawn("health", monitor.run)
+        self.metrics.watch_ready(self.ready)
+        self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
+        self._spawn("telemetry", telemetry.run)
+        self._spawn("mig", self.mig.run)
+        self._spawn("withheld-resources", self._follow_problems)
+        self._spawn("mps", self.mps.run)
+        if opts.config_path is not None:
+            self._spawn("config-reload", self._follow_config)
+        if self.reconciler is not None:
+            self._spawn("node-reconciler", self.reconciler.run)
+        if self.dra is not None:
+            self._spawn("dra-slices", self.dra.slices.run)
+            await self.dra.plugin.start()
+        self.footing.readiness.check = self.ready
+        state = bus.current
+        log.info(
+            "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
+            len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
+            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) or "none",
+        )
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
-        assert self.bus is not None
         resources = self.plans(self.bus.current).resources
         served = plugin_resources(resources, self.options.config.dra.enabled)
         return {name: r.devices for name, r in resources.items() if name in served}
@@ -185,15 +412,11 @@ class Agent:
         place pods on them. A rolling update waits for that, not just for the registration, before it takes
         the next node's agent down. Checked once per registration (a later health change does not make the
         agent unready)."""
-        if self.idle is not None:
-            return True, self.idle
-        if self.bus is None:
-            return False, "NVML not initialised"
         if (problem := self.backend.problem()) is not None:
             return False, problem
-        if self.plugins is None or not self.plugins.registered.is_set():
+        if not self.plugins.registered.is_set():
             return False, "not registered with the kubelet"
-        if self.slices is not None and not self.slices.published.is_set():
+        if self.dra is not None and not self.dra.slices.published.is_set():
             return False, "the ResourceSlice is not published yet"
         if self.reconciler is None:
             return True, "ok"
@@ -213,113 +436,12 @@ class Agent:
     def _healthy_counts(self) -> dict[str, int]:
         return {name: sum(d.healthy for d in devices) for name, devices in self.devices().items()}
 
-    async def _init_nvml(self) -> NodeState:
-        for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
-            try:
-                await self.nvml(self.backend.init)
-                break
-            except NvmlUnavailable as err:
-                if attempt == NVML_INIT_ATTEMPTS:
-                    raise
-                log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
-                await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
-        inventory = await self.nvml(self.backend.inventory)
-        config = self.options.config
-        state = NodeState(version=1, inventory=inventory, config=config,
-                          machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
-        conflicts = sharing_conflicts(state, state.config)
-        if conflicts:
-            raise ConfigError("\n".join(conflicts))
-        return state
-
-    async def start(self) -> None:
-        opts = self.options
-        check_paths(opts.config)
-        check_sockets(opts.kubelet_dir, ())
-        self._kubelet_lock = DirectoryLock(
-            opts.kubelet_dir, f"another agent serves the kubelet directory {opts.kubelet_dir}")
-        try:
-            self._kubelet_lock.acquire()
-        except Held as err:
-            raise StartupError(str(err)) from None
-        if opts.metrics_port is not None:
-            self.http = HttpEndpoint(self.metrics, self.ready)
-            try:
-                await self.http.start(opts.metrics_port, opts.metrics_host)
-            except OSError as err:
-                self.http = None
-                why = os.strerror(err.errno) if err.errno else str(err)
-                raise StartupError(f"cannot serve metrics on {opts.metrics_host}:{opts.metrics_port}: {why} "
-                                   "(choose another --metrics-port)") from None
-        for line in opts.config.without_effect:
-            log.warning("%s", line)
-        self.metrics.config_in_force(opts.config.without_effect)
-        try:
-            state = await self._init_nvml()
-        except NvmlUnavailable as err:
-            if opts.config.flags.fail_on_init_error:
-                raise
-            self.idle = f"serving nothing: {err} (flags.failOnInitError is false)"
-            log.error("%s", self.idle)
-            return
-        check_sockets(opts.kubelet_dir, plan(state).resources)
-        files = NodeFiles.read()
-        if opts.config.imex.channel_ids and not files.imex_channel:
-            if opts.config.imex.required:
-                raise ConfigError(f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist")
-            log.warning("imex.channelIDs asks for channel 0, but %s does not exist; no channel is added",
-                        IMEX_CHANNEL)
-        self.bus = bus = StateBus(state)
-        preferences = Preferences(lambda: bus.current)
-        self.plugins = PluginSet(
-            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
-            lambda: plugin_resources(self.plans(bus.current).resources, opts.config.dra.enabled),
-            opts.kubelet_dir,
-            bus,
-            self.metrics,
-        )
-        self.monitor = monitor = HealthMonitor(self.backend, bus, self.nvml)
-        self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
-        self._spawn("device-plugins", self.plugins.run)
-        self._spawn("health", monitor.run)
-        self.telemetry = telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: monitor.xid_counts)
-        self.metrics.watch_ready(self.ready)
-        self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
-        self._spawn("telemetry", telemetry.run)
-        self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
-        self._spawn("mig", self.mig.run)
-        self._spawn("withheld-resources", self._follow_problems)
-        self.mps = MpsDaemons(bus)
-        self._spawn("mps", self.mps.run)
-        if opts.config_path is not None:
-            self._spawn("config-reload", self._follow_config)
-        if opts.kube is not None:
-            self.reconciler = NodeReconciler(opts.kube, bus, _intent, owned, self.metrics.api_errors.inc)
-            self._spawn("node-reconciler", self.reconciler.run)
-        if opts.config.dra.enabled:
-            self.slices = publisher_for(opts.kube, bus, opts.config.dra.driver_name, self.metrics.api_errors.inc)
-            if self.slices is not None:
-                self._spawn("dra-slices", self.slices.run)
-                dra = opts.config.dra
-                try:
-                    self.dra_plugin = DraKubeletPlugin(
-                        Paths.under(opts.kubelet_dir.parent, dra.driver_name, dra.cdi_root), dra.driver_name,
-                        self.slices.node, bus, claim_reader(self.slices), files.control_nodes,
-                        opts.config.flags.dev_root, self.slices.republish, files.mig_minors)
-                except ClaimError as err:
-                    raise StartupError(str(err)) from None
-                await self.dra_plugin.start()
-        log.info(
-            "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
-            len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
-            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) or "none",
-        )
-
     async def reload_config(self) -> bool:
         """Load the config again (the file, or the named config the node label asks for); a bad one is
         rejected with its reasons and the last good one keeps serving."""
-        assert self.bus is not None and self.options.config_path is not None
         path = self.options.config_path
+        if path is None:
+            raise ValueError("the agent was started without a config file to reload")
         name = self.bus.current.config_request
         try:
             new = load_config(path, name)
@@ -344,7 +466,6 @@ class Agent:
     async def _follow_problems(self) -> None:
         """Say why devices are withheld (for example a node that does not fit migStrategy single) whenever that
         changes: in the log and as an Event."""
-        assert self.bus is not None
         reported: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         state = self.bus.current
         while True:
@@ -363,8 +484,9 @@ class Agent:
     async def _follow_config(self) -> None:
         """Reload on SIGHUP, when the file changes (a ConfigMap update swaps the mounted file), and when the
         node label names another config."""
-        assert self.options.config_path is not None and self.bus is not None
         path = self.options.config_path
+        if path is None:
+            return
         bus = self.bus
 
         def identity() -> tuple[object, ...] | None:
@@ -396,31 +518,23 @@ class Agent:
         self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
 
     async def stop(self) -> None:
-        """Ordered shutdown: stop serving (brief grace for in-flight RPCs), remove sockets, release NVML."""
+        """Ordered shutdown: stop the tasks, stop serving (brief grace for in-flight RPCs), remove sockets,
+        then give back the HTTP endpoint, the API server client, NVML and the kubelet-directory lock."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.monitor is not None:
-            with contextlib.suppress(Exception):
-                await self.monitor.close()
-        if self.plugins is not None:
-            await self.plugins.stop(grace=1.0)
+        with contextlib.suppress(Exception):
+            await self.monitor.close()
+        await self.plugins.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
-        if self.dra_plugin is not None:
-            await self.dra_plugin.stop()
-        if self.slices is not None:
-            await self.slices.close()
-        close = getattr(self.options.kube, "close", None)
-        if close is not None:
-            await close()
-        with contextlib.suppress(Exception):
-            await self.nvml(self.backend.shutdown)
-        self.nvml.close()
-        if self._kubelet_lock is not None:
-            self._kubelet_lock.release()
+            self.footing.http = None
+        if self.dra is not None:
+            await self.dra.plugin.stop()
+            await self.dra.slices.close()
+        await self.footing.release()
         self.stopped.set()
 
 
@@ -453,25 +567,29 @@ def _intent(state: NodeState) -> NodeIntent:
     return node_intent(state, node_labels(state, state.config), taint)
 
 
-async def run_until_signal(agent: Agent) -> int:
+async def run_until_signal(backend: NvmlBackend, options: AgentOptions) -> int:
+    """Start the agent and run it until SIGTERM or SIGINT, then stop it; SIGHUP reloads the config. A signal
+    while NVML is still being retried stops at once."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    hangup = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, agent.hangup.set)
+    loop.add_signal_handler(signal.SIGHUP, hangup.set)
+    starting = asyncio.ensure_future(start_agent(backend, options, hangup=hangup))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        # A signal while NVML is still being retried: stop now rather than after the retries (start_agent
+        # gives back what it took).
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        log.info("signal received while starting; shutting down")
+        return 0
+    stopping.cancel()
+    agent = starting.result()
     try:
-        starting = asyncio.ensure_future(agent.start())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            # A signal while NVML is still being retried: stop now rather than after the retries.
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            log.info("signal received while starting; shutting down")
-            return 0
-        stopping.cancel()
-        starting.result()
         # Everything allocated so far lives as long as the process: keep it out of every later collection.
         gc.collect()
         gc.freeze()

@@ -209,7 +209,8 @@ class InMemoryNode:
 
 async def _settle(agent: Agent, kubelet: StandInKubelet, node: InMemoryNode, xids_injected: int) -> None:
     """Wait until injected XIDs were seen, the kubelet holds the agent's device lists and the node converged."""
-    assert agent.monitor is not None and agent.reconciler is not None
+    reconciler = agent.reconciler
+    assert reconciler is not None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SETTLE_TIMEOUT_S
 
@@ -222,7 +223,8 @@ async def _settle(agent: Agent, kubelet: StandInKubelet, node: InMemoryNode, xid
         )
 
     while not (
-        agent.monitor.events_seen >= xids_injected and kubelet_current() and agent.reconciler.converged.is_set()
+        agent.monitor.events_seen >= xids_injected and kubelet_current()
+        and reconciler.converged_version >= agent.bus.current.version
     ):
         if loop.time() > deadline:
             raise TimeoutError("the simulated node did not settle")
@@ -239,11 +241,14 @@ async def simulate(
         kubelet = StandInKubelet(directory)
         await kubelet.start()
         node = InMemoryNode(node_name)
-        agent = Agent(backend, AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
         try:
-            await agent.start()
+            agent = await Agent.start(
+                backend, AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
+        except BaseException:
+            await kubelet.stop()
+            raise
+        try:
             await _settle(agent, kubelet, node, 0)
-            assert agent.bus is not None
             count = len(agent.bus.current.inventory.gpus)
             for gpu, _ in inject_xids:
                 if gpu >= count:

@@ -9,9 +9,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING, TypedDict
 
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.nvml.records import NodeInventory
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,30 @@ class MigStatus:
     layout: str
     state: str
     reason: str = ""
+
+
+class Changes(TypedDict, total=False):
+    """The fields of NodeState that StateBus.record replaces besides the incidents it numbers (every field but
+    `version` and `incidents`), each with its type: a misspelt field or a value of the wrong type fails the
+    type check."""
+
+    inventory: NodeInventory
+    config: AgentConfig
+    health: Mapping[str, DeviceHealth]
+    draining: frozenset[str]
+    mig_request: str | None
+    mig_status: MigStatus | None
+    config_request: str | None
+    mps: Mapping[str, str]
+    machine: str
+    labelled_at: int
+
+
+class Evolution(Changes, total=False):
+    """Every field of NodeState a new version may replace (NodeState.evolve, StateBus.update): Changes and the
+    incidents."""
+
+    incidents: tuple[Incident, ...]
 
 
 @dataclass(frozen=True)
@@ -95,12 +123,13 @@ class NodeState:
             return f"{unhealthy} GPUs unhealthy"
         return None
 
-    def evolve(self, **changes: object) -> NodeState:
-        """The next version with the given fields replaced."""
-        for name in ("health", "mps"):
-            if name in changes:
-                changes[name] = MappingProxyType(dict(changes[name]))  # type: ignore[call-overload]
-        return dataclasses.replace(self, version=self.version + 1, **changes)  # type: ignore[arg-type]
+    def evolve(self, **changes: Unpack[Evolution]) -> NodeState:
+        """The next version with the given fields replaced; health and mps are kept read-only."""
+        if "health" in changes:
+            changes["health"] = MappingProxyType(dict(changes["health"]))
+        if "mps" in changes:
+            changes["mps"] = MappingProxyType(dict(changes["mps"]))
+        return dataclasses.replace(self, version=self.version + 1, **changes)
 
 
 class StateBus:
@@ -140,7 +169,7 @@ class StateBus:
             self._changed.notify_all()
             self.wake()
 
-    async def update(self, **changes: object) -> NodeState:
+    async def update(self, **changes: Unpack[Evolution]) -> NodeState:
         """Publish the current state with the given fields replaced; returns the new version."""
         async with self._changed:
             self._state = self._state.evolve(**changes)
@@ -148,7 +177,7 @@ class StateBus:
             self.wake()
             return self._state
 
-    async def record(self, incidents: list[tuple[str, str, str]], **changes: object) -> NodeState:
+    async def record(self, incidents: list[tuple[str, str, str]], **changes: Unpack[Changes]) -> NodeState:
         """Publish `changes` together with new incidents, given as (gpu uuid, kind, message)."""
         async with self._changed:
             state = self._state

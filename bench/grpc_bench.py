@@ -180,7 +180,6 @@ async def preferred_allocation(
     `check_share` of the requests (all by default) are compared with `brute_force_optimum`, outside the timing.
     """
     async with running_agent(preset) as rig:
-        assert rig.agent.bus is not None
         inventory = rig.agent.bus.current.inventory
         topo = topology_of(inventory)
         ids = [g.uuid for g in inventory.gpus]
@@ -344,7 +343,6 @@ async def health_to_list_and_watch(preset: str, injections: int, rng: random.Ran
     while len(samples) < injections:
         agents += 1
         async with running_agent(preset) as rig:
-            assert rig.agent.bus is not None
             uuids = [g.uuid for g in rig.agent.bus.current.inventory.gpus]
             channel, stub = _stub(rig)
             async with channel:

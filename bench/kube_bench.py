@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,17 +22,14 @@ from typing import Any
 from kubernetes.aio import client, config
 
 from agent.config import DEFAULT_CONFIG, AgentConfig
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import Agent
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.kube.node import NodeApi
 from agent.kube.reconciler import CONDITION_TYPE
 from agent.kube.view import NodeView
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
-from agent.simulate import StandInKubelet
 from bench.grpc_bench import latency
-from tests.plugin_harness import short_dir
+from tests.plugin_harness import running_agent
 
 XID = 79
 """GPU fallen off the bus: node-fatal by the default health policy, so the agent taints its Node at once."""
@@ -186,24 +182,10 @@ async def agent_on_node(
 ) -> AsyncIterator[AgentOnNode]:
     """An in-process agent on the fake NVML with its stand-in kubelet, connected to the API server as `node`;
     yields once it has registered and converged the Node."""
-    directory = short_dir()
-    fake = FakeNvml(load_node(preset))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
     api = await NodeApi.connect(kubeconfig, node)
     reads = _count_reads(api)
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=agent_config, kubelet_dir=directory, metrics_port=None, kube=api))
-    try:
-        await agent.start()
-        await kubelet.wait_for(set(agent.devices()), CONVERGE_TIMEOUT_S)
-        assert agent.reconciler is not None
-        await asyncio.wait_for(agent.reconciler.converged.wait(), CONVERGE_TIMEOUT_S)
-        yield AgentOnNode(agent, fake, api, reads)
-    finally:
-        await agent.stop()
-        await kubelet.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    async with running_agent(preset, agent_config, kube=api, timeout=CONVERGE_TIMEOUT_S) as rig:
+        yield AgentOnNode(rig.agent, rig.fake, api, reads)
 
 
 def _count_reads(api: NodeApi) -> Counter[str]:

@@ -76,7 +76,7 @@ async def telemetry(preset: str, passes: int, scrapes: int) -> dict[str, Any]:
     try:
         async with running_agent(preset, config, metrics_port=0) as rig:
             agent = rig.agent
-            assert agent.telemetry is not None and agent.http is not None and agent.bus is not None
+            assert agent.http is not None
             gpus = agent.bus.current.inventory.gpus
             lister.ids = [g.uuid for g in gpus[: len(gpus) // 2]]
             collector = agent.telemetry

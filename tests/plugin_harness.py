@@ -1,4 +1,5 @@
-"""Shared test helpers: a short socket directory, an agent on the fake NVML, and a test kubelet."""
+"""Shared test helpers: a short socket directory, one way to start an agent (on the fake NVML, with a test
+kubelet and, when given, its Node), and the one wait helper."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pynvml
@@ -17,10 +19,19 @@ import pynvml
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.nvml.backend import fake_backend
+from agent.kube.reconciler import NodeClient
+from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.simulate import StandInKubelet
+
+T = TypeVar("T")
+
+POLL_S = 0.05
+"""How often wait_until looks again."""
+CONVERGE_S = 20.0
+"""How long running_agent waits, by default, for the kubelet to list the agent's resources and for the agent
+to converge its Node."""
 
 
 def short_dir() -> Path:
@@ -28,13 +39,18 @@ def short_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="ga-", dir="/tmp"))
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+async def wait_until(check: Callable[[], T], timeout: float = 5.0, what: str = "condition", *,
+                     blocking: bool = False) -> T:
+    """Look at `check()` every POLL_S until it returns something true, and return that; fail naming `what`
+    after `timeout` seconds. `blocking=True` runs each look on a worker thread (a synchronous API server
+    client), so the event loop, and the agent on it, keeps running meanwhile."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not predicate():
+    while not (result := await asyncio.to_thread(check) if blocking else check()):
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(POLL_S)
+    return result
 
 
 @dataclass
@@ -43,6 +59,8 @@ class Rig:
     fake: FakeNvml
     agent: Agent
     kubelet: StandInKubelet
+    kube: NodeClient | None
+    """The agent's Node (an InMemoryNode, or a NodeApi on the rig's kube-apiserver); None without one."""
 
     def stub(self, resource: str = "nvidia.com/gpu") -> api_pb2_grpc.DevicePluginStub:
         endpoint = self.kubelet.plugins[resource].endpoint
@@ -51,6 +69,28 @@ class Rig:
 
     def devices(self, resource: str = "nvidia.com/gpu") -> list[api_pb2.Device]:
         return self.kubelet.plugins[resource].devices
+
+    def health(self, resource: str = "nvidia.com/gpu") -> list[str]:
+        """The health of each device of `resource` as the kubelet last heard it; [] before it heard any."""
+        view = self.kubelet.plugins.get(resource)
+        return [d.health for d in view.devices] if view else []
+
+    def uuid(self, index: int) -> str:
+        return self.agent.bus.current.inventory.gpus[index].uuid
+
+    def restarts(self) -> dict[str, float]:
+        """Supervised task restarts so far, by task."""
+        return {
+            s.labels["task"]: s.value
+            for family in self.agent.metrics.registry.collect() if family.name == "gpu_agent_task_restarts"
+            for s in family.samples if s.name == "gpu_agent_task_restarts_total"
+        }
+
+    async def converged(self, timeout: float = CONVERGE_S) -> int:
+        """Once the Node shows the newest NodeState (or a newer one): the version it shows."""
+        reconciler = self.agent.reconciler
+        assert reconciler is not None, "the agent runs without a Node"
+        return await asyncio.wait_for(reconciler.converged_at(self.agent.bus.current.version), timeout)
 
     async def restart_kubelet(self) -> None:
         """What a kubelet restart does: the old server goes, every socket in the dir is removed, a new one serves."""
@@ -67,33 +107,54 @@ async def running_agent(
     node: str = "dgx-h100",
     config: AgentConfig = DEFAULT_CONFIG,
     *,
+    kube: NodeClient | None = None,
+    fake: FakeNvml | None = None,
+    backend: NvmlBackend | None = None,
     kubelet_first: bool = True,
     config_path: Path | None = None,
-    fake: FakeNvml | None = None,
     metrics_port: int | None = None,
+    directory: Path | None = None,
+    timeout: float = CONVERGE_S,
+    await_node: bool = True,
 ) -> AsyncIterator[Rig]:
-    directory = short_dir()
+    """The agent on the fake NVML of preset `node` (or `fake`, or a `backend` over it), serving a stand-in
+    kubelet in a short directory of its own, removed afterwards (or in `directory`, which stays) and, with
+    `kube`, keeping that Node (the agent closes the client when it stops). Yields once the kubelet lists every
+    advertised resource (unless the kubelet starts after the agent, `kubelet_first=False`) and the Node shows
+    the first NodeState. The MIG state stays in that directory unless the config names another;
+    `metrics_port` 0 picks a free port; `timeout` bounds each of the two waits; `await_node=False` yields
+    without waiting for the Node (one that never answers)."""
+    made = directory is None
+    directory = directory or short_dir()
     fake = fake or FakeNvml(load_node(node))
-    backend = fake_backend(fake)
+    backend = backend or fake_backend(fake)
     kubelet = StandInKubelet(directory)
-    if kubelet_first:
-        await kubelet.start()
     if config.mig.state_dir == DEFAULT_CONFIG.mig.state_dir:
         # Never the host's /var/lib/gpu-node-agent: a test's MIG journal stays in its own directory.
         config = config.model_copy(update={"mig": config.mig.model_copy(update={"state_dir": directory / "mig"})})
     options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=metrics_port, metrics_host="127.0.0.1",
-                           config_path=config_path)
-    agent = Agent(backend, options)
-    rig = Rig(directory, fake, agent, kubelet)
+                           kube=kube, config_path=config_path)
     try:
-        await agent.start()
         if kubelet_first:
-            await kubelet.wait_for(set(agent.devices()), 10)
+            await kubelet.start()
+        agent = await Agent.start(backend, options)
+    except BaseException:
+        await kubelet.stop()
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    rig = Rig(directory, fake, agent, kubelet, kube)
+    try:
+        if kubelet_first:
+            await kubelet.wait_for(set(agent.devices()), timeout)
+        if kube is not None and await_node:
+            await rig.converged(timeout)
         yield rig
     finally:
+        await rig.kubelet.stop()  # first: its ListAndWatch streams would hold the agent's shutdown for the grace
         await agent.stop()
-        await rig.kubelet.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def carve_mig(fake: FakeNvml, gpu: int, instances: list[tuple[str, int]]) -> None:

@@ -134,7 +134,21 @@ class NodeReconciler:
         self._node: NodeView | None = None
         self._lock = asyncio.Lock()
         self._emitted = 0
-        self.converged = asyncio.Event()
+        self._shown = 0
+        self._shown_changed = asyncio.Condition()
+
+    @property
+    def converged_version(self) -> int:
+        """The newest NodeState version whose intent the Node shows (labels, annotations, taint, condition and
+        its Events written); 0 before the first convergence."""
+        return self._shown
+
+    async def converged_at(self, version: int) -> int:
+        """Return once the Node shows the intent of NodeState `version` or of a newer one; returns the version
+        it shows."""
+        async with self._shown_changed:
+            await self._shown_changed.wait_for(lambda: self._shown >= version)
+            return self._shown
 
     @property
     def node(self) -> NodeView | None:
@@ -159,7 +173,10 @@ class NodeReconciler:
             ):
                 self._node = await self._api.set_condition(want.condition)
             await self._emit_events(state)
-            self.converged.set()
+            if state.version > self._shown:
+                async with self._shown_changed:
+                    self._shown = state.version
+                    self._shown_changed.notify_all()
 
     async def _converge_taint(self, want: NodeIntent) -> None:
         assert self._node is not None
@@ -202,19 +219,16 @@ class NodeReconciler:
         while True:
             state = await self._bus.wait_newer(version)
             version = state.version
-            self.converged.clear()
             await _retrying(self.converge, self._on_error)
 
     async def _seen(self, view: NodeView) -> None:
         """Take a new view of the Node: feed its requests (MIG layout, named config) into the state, converge."""
         self._node = view
-        requests = {
-            "mig_request": view.labels.get(MIG_CONFIG_LABEL) or None,
-            "config_request": view.labels.get(CONFIG_LABEL) or None,
-        }
+        mig_request = view.labels.get(MIG_CONFIG_LABEL) or None
+        config_request = view.labels.get(CONFIG_LABEL) or None
         state = self._bus.current
-        if (requests["mig_request"], requests["config_request"]) != (state.mig_request, state.config_request):
-            await self._bus.update(**requests)
+        if (mig_request, config_request) != (state.mig_request, state.config_request):
+            await self._bus.update(mig_request=mig_request, config_request=config_request)
         await self.converge()
 
     async def _follow_node(self) -> None:

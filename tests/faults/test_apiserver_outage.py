@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 from collections import Counter
@@ -19,16 +18,11 @@ from apiserver import NODE, ApiServer, ensure_testbin, group_alive, running
 from kubernetes import client as k8s
 
 from agent.config import parse_config
-from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.kube import reconciler
 from agent.kube.node import NodeApi
 from agent.labels import node_labels
-from agent.nvml.backend import NvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
-from agent.simulate import StandInKubelet
-from tests.plugin_harness import short_dir, wait_until
+from tests.plugin_harness import running_agent, wait_until
 
 OUTAGE_S = 60.0
 RETRY_CAP_S = 2.0
@@ -97,14 +91,6 @@ def events(core: k8s.CoreV1Api) -> Counter[tuple[str, str, str]]:
     return Counter((e.type, e.reason, e.message) for e in listed.items)
 
 
-async def eventually(check: Any, timeout: float, what: str) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (result := await asyncio.to_thread(check)):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.2)
-    return result
-
-
 def allocate_request(*ids: str) -> api_pb2.AllocateRequest:
     return api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(ids))])
 
@@ -115,18 +101,9 @@ async def test_a_minute_without_the_api_server_serves_the_kubelet_and_converges_
     monkeypatch.setattr(reconciler, "BACKOFF_MAX_S", RETRY_CAP_S)
     core = k8s.CoreV1Api(rig.admin_client())
     loop = asyncio.get_running_loop()
-    directory = short_dir()
-    fake = FakeNvml(load_node("dgx-h100"))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
     api = await NodeApi.connect(rig.kubeconfig_path, NODE)
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=CONFIG, kubelet_dir=directory, metrics_port=None, kube=api))
-    try:
-        await agent.start()
-        assert agent.bus is not None and agent.reconciler is not None
-        await kubelet.wait_for({RESOURCE}, 10)
-        await asyncio.wait_for(agent.reconciler.converged.wait(), 20)
+    async with running_agent("dgx-h100", CONFIG, kube=api) as on_node:
+        agent, kubelet, fake, directory = on_node.agent, on_node.kubelet, on_node.fake, on_node.directory
         uuid = [g.uuid for g in agent.bus.current.inventory.gpus]
         labels = node_labels(agent.bus.current, CONFIG)
         node = core.read_node(NODE)
@@ -145,7 +122,7 @@ async def test_a_minute_without_the_api_server_serves_the_kubelet_and_converges_
         fake.inject_xid(6, 48)
         view = kubelet.plugins[RESOURCE]
         await wait_until(lambda: [d.health for d in view.devices] == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4
-                         and any(i.kind == "recovered" for i in agent.bus.current.incidents),  # type: ignore[union-attr]
+                         and any(i.kind == "recovered" for i in agent.bus.current.incidents),
                          10, "the kubelet to see GPU 3 unhealthy and GPU 6 recovered")
         # It tried, and failed, to tell the API server.
         await wait_until(lambda: (agent.metrics.registry.get_sample_value("gpu_agent_api_errors_total") or 0) > 0,
@@ -176,19 +153,15 @@ async def test_a_minute_without_the_api_server_serves_the_kubelet_and_converges_
             ("Warning", "GPUFault", f"GPU {uuid[6]}: XID 48"): 1,
             ("Normal", "GPURecovered", f"GPU {uuid[6]}: recovered from XID 48"): 1,
         })
-        node = await eventually(
+        node = await wait_until(
             lambda: (n := core.read_node(NODE)) and agent_taints(n) == [TAINT]
             and condition(n) == ("False", "NodeGPUFault", LOST) and events(core) == expected_events and n,
-            CONVERGE_S, "the node to converge after the outage")
+            CONVERGE_S, "the node to converge after the outage", blocking=True)
         assert owned_labels(node) == labels
-        await wait_until(agent.reconciler.converged.is_set, CONVERGE_S, "the reconciler to settle")
+        await on_node.converged(CONVERGE_S)
         # The watch is back too: an owned label removed by hand is restored.
         core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/gpu.count": None}}})
-        node = await eventually(lambda: (n := core.read_node(NODE)) and owned_labels(n) == labels and n,
-                                CONVERGE_S, "the agent to restore its label")
+        node = await wait_until(lambda: (n := core.read_node(NODE)) and owned_labels(n) == labels and n,
+                                CONVERGE_S, "the agent to restore its label", blocking=True)
         assert taints(node) == [*foreign, TAINT]
         assert events(core) == expected_events
-    finally:
-        await kubelet.stop()  # first: its ListAndWatch stream would hold the agent's shutdown for the grace
-        await agent.stop()
-        shutil.rmtree(directory, ignore_errors=True)

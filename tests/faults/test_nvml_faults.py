@@ -9,22 +9,19 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pynvml
 import pytest
 
-from agent.config import AgentConfig, parse_config
-from agent.daemon import NVML_INIT_ATTEMPTS, NVML_INIT_BACKOFF_S, Agent, AgentOptions
-from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.nvml.backend import NvmlBackend
+from agent.config import parse_config
+from agent.daemon import NVML_INIT_ATTEMPTS, NVML_INIT_BACKOFF_S
+from agent.deviceplugin.v1beta1 import api_pb2
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.simulate import InMemoryNode, StandInKubelet
-from tests.plugin_harness import short_dir, wait_until
+from tests.plugin_harness import running_agent, short_dir, wait_until
 
 AGENT = [sys.executable, "-m", "agent.cli"]
 RESOURCE = "nvidia.com/gpu"
@@ -162,72 +159,22 @@ async def test_a_driver_that_loads_during_the_retries_brings_the_agent_up(tmp_pa
 # --- run-time faults, in process: the agent on the fake, a test kubelet and an in-memory Node --------------
 
 
-@dataclass
-class NodeRig:
-    agent: Agent
-    fake: FakeNvml
-    kubelet: StandInKubelet
-    node: InMemoryNode
-    directory: Path
-
-    def health(self) -> list[str]:
-        view = self.kubelet.plugins.get(RESOURCE)
-        return [d.health for d in view.devices] if view else []
-
-    def uuid(self, index: int) -> str:
-        assert self.agent.bus is not None
-        return self.agent.bus.current.inventory.gpus[index].uuid
-
-    def stub(self) -> api_pb2_grpc.DevicePluginStub:
-        endpoint = self.kubelet.plugins[RESOURCE].endpoint
-        return api_pb2_grpc.DevicePluginStub(grpc.aio.insecure_channel(f"unix://{self.directory / endpoint}"))
-
-    def restarts(self) -> dict[str, float]:
-        return {
-            s.labels["task"]: s.value
-            for family in self.agent.metrics.registry.collect() if family.name == "gpu_agent_task_restarts"
-            for s in family.samples if s.name == "gpu_agent_task_restarts_total"
-        }
-
-    def converged(self) -> bool:
-        return self.agent.reconciler is not None and self.agent.reconciler.converged.is_set()
-
-
-@contextlib.asynccontextmanager
-async def agent_on_node(preset: str = "dgx-h100", config: AgentConfig = FAST_HEALTH) -> AsyncIterator[NodeRig]:
-    directory = short_dir()
-    fake = FakeNvml(load_node(preset))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
-    node = InMemoryNode("gpu-node-1")
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
-    try:
-        await agent.start()
-        await kubelet.wait_for({RESOURCE}, 10)
-        rig = NodeRig(agent, fake, kubelet, node, directory)
-        await wait_until(rig.converged, 10, "the node to converge")
-        yield rig
-    finally:
-        await kubelet.stop()  # first: its ListAndWatch stream would hold the agent's shutdown for the grace
-        await agent.stop()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 def allocate_request(*ids: str) -> api_pb2.AllocateRequest:
     return api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(ids))])
 
 
 async def test_a_gpu_lost_at_run_time_is_unhealthy_taints_the_node_and_the_others_keep_allocating() -> None:
-    async with agent_on_node() as rig:
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=node) as rig:
         assert rig.health() == ["Healthy"] * 8
         rig.fake.set_gpu_lost(3)
         await wait_until(lambda: rig.health() == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4, 5,
                          "GPU 3 unhealthy in ListAndWatch")
-        await wait_until(lambda: rig.converged() and rig.node.view.taints == (TAINT,), 5, "the node taint")
-        condition = rig.node.view.conditions["GPUHealthy"]
+        await rig.converged(5)
+        assert node.view.taints == (TAINT,)
+        condition = node.view.conditions["GPUHealthy"]
         assert (condition.status, condition.reason, condition.message) == ("False", "NodeGPUFault", LOST)
-        assert rig.node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}")]
+        assert node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}")]
         assert rig.kubelet.capacity() == ({RESOURCE: "8"}, {RESOURCE: "7"})
 
         stub = rig.stub()
@@ -242,8 +189,9 @@ async def test_a_gpu_lost_at_run_time_is_unhealthy_taints_the_node_and_the_other
         # Back on the bus: healthy again after the configured clean samples; taint and condition go away.
         rig.fake.set_gpu_lost(3, False)
         await wait_until(lambda: rig.health() == ["Healthy"] * 8, 5, "GPU 3 healthy again")
-        await wait_until(lambda: rig.converged() and rig.node.view.taints == (), 5, "the taint removed")
-        assert rig.node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}"),
+        await rig.converged(5)
+        assert node.view.taints == ()
+        assert node.events == [("Warning", "GPUFault", f"GPU {rig.uuid(3)}: {LOST}"),
                                    ("Normal", "GPURecovered", f"GPU {rig.uuid(3)}: recovered from {LOST}")]
         assert rig.restarts() == {}
 
@@ -251,22 +199,23 @@ async def test_a_gpu_lost_at_run_time_is_unhealthy_taints_the_node_and_the_other
 async def test_the_xid_of_a_gpu_falling_off_the_bus_is_counted_without_restarting_the_monitor() -> None:
     # A GPU that falls off the bus raises XID 79 as it goes: the event names a device that now answers every
     # call with GpuIsLost.
-    async with agent_on_node() as rig:
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=node) as rig:
         rig.fake.set_gpu_lost(3)
         rig.fake.inject_xid(3, 79)
         await wait_until(lambda: rig.health()[3] == "Unhealthy", 5, "GPU 3 unhealthy in ListAndWatch")
         monitor = rig.agent.monitor
-        assert monitor is not None
         await wait_until(lambda: monitor.events_seen >= 1 or bool(rig.restarts()), 5, "the XID to be taken")
         assert monitor.xid_counts == {(rig.uuid(3), 79): 1}
         assert rig.restarts() == {}
-        await wait_until(lambda: rig.converged() and rig.node.view.taints == (TAINT,), 5, "the node taint")
+        await rig.converged(5)
+        assert node.view.taints == (TAINT,)
 
 
 async def test_a_transient_nvml_error_while_sampling_is_skipped_and_faults_still_register() -> None:
-    async with agent_on_node() as rig:
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=node) as rig:
         monitor = rig.agent.monitor
-        assert monitor is not None
         # The next ECC query fails once with an error NVML gives for no particular reason.
         rig.fake.fail_next("nvmlDeviceGetTotalEccErrors", pynvml.NVML_ERROR_UNKNOWN)
         await wait_until(lambda: monitor.read_errors == 1, 5, "the failed sample")
@@ -274,13 +223,13 @@ async def test_a_transient_nvml_error_while_sampling_is_skipped_and_faults_still
         await wait_until(lambda: monitor.telemetry is not last_sample, 5, "the next sample")
         # A transient error says nothing about the GPUs: all stay healthy and the node untouched.
         assert rig.health() == ["Healthy"] * 8
-        assert rig.node.view.taints == ()
-        assert rig.node.events == []
+        assert node.view.taints == ()
+        assert node.events == []
         # The monitor kept running (no restart, so no XID was missed) and still judges faults.
         rig.fake.inject_xid(6, 48)
         await wait_until(lambda: rig.health()[6] == "Unhealthy", 5, "GPU 6 unhealthy after the XID")
-        await wait_until(lambda: rig.converged() and bool(rig.node.events), 5, "the fault event")
-        assert rig.node.events[0] == ("Warning", "GPUFault", f"GPU {rig.uuid(6)}: XID 48")
+        await rig.converged(5)
+        assert node.events[0] == ("Warning", "GPUFault", f"GPU {rig.uuid(6)}: XID 48")
         assert rig.restarts() == {}
         assert monitor.read_errors == 1
         response = await rig.stub().Allocate(allocate_request(rig.uuid(0)), timeout=5)
@@ -321,9 +270,9 @@ async def test_fail_on_init_error_false_serves_nothing_and_stays_up(tmp_path: Pa
 
 
 async def test_an_xid_while_the_monitor_restarts_is_not_lost() -> None:
-    async with agent_on_node() as rig:
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=node) as rig:
         monitor = rig.agent.monitor
-        assert monitor is not None
         # A sample fails with an error that ends the monitor's run; the supervisor restarts it after a backoff.
         rig.fake.fail_next("nvmlDeviceGetUUID", pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         await wait_until(lambda: rig.restarts().get("health") == 1, 10, "the health task restarted")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,13 +20,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agent.config import AgentConfig, ConfigError, parse_config
-from agent.daemon import Agent, AgentOptions, nvml_sync
+from agent.daemon import nvml_sync
 from agent.mig.layout import LayoutError, default_layouts_text, load_layouts, parse_layouts
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import NodeFileError, load_node, parse_node
-from agent.simulate import InMemoryNode, StandInKubelet
-from tests.plugin_harness import short_dir, wait_until
+from agent.nvml.nodefile import NodeFileError, parse_node
+from agent.simulate import InMemoryNode
+from tests.plugin_harness import running_agent, wait_until
 
 ORIGIN = "input.yaml"
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -327,37 +326,24 @@ def at_most_1024(message: str) -> str:
 
 
 async def label_protocol(config: AgentConfig, values: list[str]) -> None:
-    directory = short_dir()
-    fake = FakeNvml(load_node("dgx-a100"))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
     node = InMemoryNode("gpu-node-1")
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
-    try:
-        await agent.start()
-        assert agent.reconciler is not None and agent.bus is not None
-        await kubelet.wait_for({"nvidia.com/gpu"}, 10)
-        await wait_until(agent.reconciler.converged.is_set, 10, "the node to converge")
+    async with running_agent("dgx-a100", config, kube=node) as rig:
+        kubelet, fake, bus = rig.kubelet, rig.fake, rig.agent.bus
         devices = [(d.ID, d.health) for d in kubelet.plugins["nvidia.com/gpu"].devices]
         layout = mig_layout_of(fake)
-        bus, reconciler = agent.bus, agent.reconciler
 
         def ended_in_failed(value: str) -> bool:
             status = bus.current.mig_status
-            return (
-                status is not None
-                and (status.layout, status.state) == (value, "failed")
-                and reconciler.converged.is_set()
-                and node.view.labels.get("nvidia.com/mig.config.state") == "failed"
-                and node.view.annotations.get("nvidia.com/mig.config.state.reason") == no_such_layout(value)[:4096]
-            )
+            return status is not None and (status.layout, status.state) == (value, "failed")
 
         failures: list[str] = []
         for value in values:
             reason = no_such_layout(value)
             await node.patch_metadata({"nvidia.com/mig.config": value}, {})
             await wait_until(functools.partial(ended_in_failed, value), 10, f"label value {value!r} to end in failed")
+            await rig.converged(10)
+            assert node.view.labels.get("nvidia.com/mig.config.state") == "failed"
+            assert node.view.annotations.get("nvidia.com/mig.config.state.reason") == reason[:4096]
             assert bus.current.mig_status is not None
             assert bus.current.mig_status.reason == reason
             if not failures or failures[-1] != value:
@@ -369,13 +355,7 @@ async def label_protocol(config: AgentConfig, values: list[str]) -> None:
             ("Warning", "MigConfigFailed", at_most_1024(f"MIG layout {v}: failed: {no_such_layout(v)}"))
             for v in failures
         ]
-        restarts = [s for f in agent.metrics.registry.collect() if f.name == "gpu_agent_task_restarts"
-                    for s in f.samples if s.name.endswith("_total")]
-        assert restarts == []
-    finally:
-        await kubelet.stop()  # first: no ListAndWatch stream left for the agent's shutdown grace to wait on
-        await agent.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        assert rig.restarts() == {}
 
 
 @settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

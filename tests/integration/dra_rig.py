@@ -9,7 +9,7 @@ import contextlib
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,10 @@ from apiserver import REPO, TESTBIN, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
 
 from agent.config import parse_config
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import Agent
 from agent.kube.node import NodeApi
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
-from tests.plugin_harness import short_dir
+from tests.plugin_harness import running_agent, short_dir
 
 DRIVER = "gpu.gpu-node-agent.io"
 DEVICE_CLASS = "gpu.gpu-node-agent.io"
@@ -57,25 +55,67 @@ AGENT_RULES = [
 """The DaemonSet's ClusterRole and what DRA mode adds (deployments/dra/clusterrole.yaml)."""
 
 
+class GatedApiServer(ApiServer):
+    """The rig's etcd and kube-apiserver with `--feature-gates=<gates>` (e.g. "DRADeviceTaints=true") and,
+    when given, `--runtime-config=<runtime_config>` (an alpha API version a gated feature needs)."""
+
+    def __init__(self, workdir: Path, gates: str, runtime_config: str = "") -> None:
+        super().__init__(workdir)
+        self.gates = gates
+        self.runtime_config = runtime_config
+
+    def _start_apiserver(self) -> None:
+        import apiserver as rig
+
+        spawn = rig._spawn
+
+        def gated(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+            if Path(argv[0]).name == "kube-apiserver":
+                argv = [*argv, f"--feature-gates={self.gates}"]
+                if self.runtime_config:
+                    argv.append(f"--runtime-config={self.runtime_config}")
+            return spawn(argv, log_path)
+
+        rig._spawn = gated
+        try:
+            super()._start_apiserver()
+        finally:
+            rig._spawn = spawn
+
+
+@contextlib.contextmanager
+def gated_apiserver(workdir: Path, gates: str, runtime_config: str = "") -> Iterator[GatedApiServer]:
+    """A started GatedApiServer, stopped on the way out whatever happened."""
+    rig = GatedApiServer(workdir, gates, runtime_config)
+    try:
+        rig.start()
+        yield rig
+    finally:
+        rig.stop()
+
+
 @dataclass
 class ControlPlane:
-    """kube-scheduler and kube-controller-manager, each in its own process group, with the admin identity."""
+    """kube-scheduler and kube-controller-manager, each in its own process group, with the admin identity
+    (and `feature_gates` on both, when given)."""
 
     apiserver: ApiServer
     workdir: Path
+    feature_gates: str = ""
 
     def __post_init__(self) -> None:
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         kubeconfig = str(self.apiserver.kubeconfig_path)
+        gates = [f"--feature-gates={self.feature_gates}"] if self.feature_gates else []
         self._procs.append(_spawn([
             str(TESTBIN / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-            "--secure-port=0", "--v=2",
+            "--secure-port=0", "--v=2", *gates,
         ], self.workdir / "kube-scheduler.log"))
         self._procs.append(_spawn([
             str(TESTBIN / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-            "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2",
+            "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2", *gates,
         ], self.workdir / "kube-controller-manager.log"))
         time.sleep(0.5)
         for proc, name in zip(self._procs, ("kube-scheduler", "kube-controller-manager"), strict=True):
@@ -90,8 +130,8 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def control_plane(apiserver: ApiServer, workdir: Path) -> Iterator[ControlPlane]:
-    plane = ControlPlane(apiserver, workdir)
+def control_plane(apiserver: ApiServer, workdir: Path, feature_gates: str = "") -> Iterator[ControlPlane]:
+    plane = ControlPlane(apiserver, workdir, feature_gates)
     try:
         plane.start()
         yield plane
@@ -226,19 +266,6 @@ def unschedulable(apiserver: ApiServer, pod_name: str, timeout: float = 60.0) ->
     return found[-1]
 
 
-def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    holder: list[Any] = []
-
-    def ok() -> bool:
-        value = check()
-        if value:
-            holder.append(value)
-        return bool(value)
-
-    wait_until(ok, timeout, what)
-    return holder[-1]
-
-
 def remove_workloads(apiserver: ApiServer) -> None:
     """Delete the test namespace's pods (at once: no kubelet runs them), claims and templates, so that a pod a
     test left pending is not scheduled onto the next test's node."""
@@ -266,19 +293,18 @@ async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: s
     in_force = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi}}\n"
                             f"mig: {{stateDir: {directory}/state, podResourcesSocket: {directory}/pr.sock}}\n"
                             f"health: {{sampleIntervalSeconds: 0.1}}\n{config}")
-    fake = fake or FakeNvml(load_node(preset))
     api = await NodeApi.connect(kubeconfig, node)
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=in_force, kubelet_dir=kubelet_dir, metrics_port=None, kube=api))
     try:
-        await agent.start()
-        assert agent.slices is not None
-        await asyncio.wait_for(agent.slices.published.wait(), 20)
-        yield agent, fake
+        async with running_agent(preset, in_force, kube=api, fake=fake, kubelet_first=False,
+                                 directory=kubelet_dir) as rig:
+            assert rig.agent.dra is not None
+            await asyncio.wait_for(rig.agent.dra.slices.published.wait(), 20)
+            try:
+                yield rig.agent, rig.fake
+            finally:
+                if not keep:
+                    await asyncio.to_thread(remove_workloads, apiserver)
     finally:
-        if not keep:
-            await asyncio.to_thread(remove_workloads, apiserver)
-        await agent.stop()
         if root is None:
             shutil.rmtree(directory, ignore_errors=True)
         if not keep:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,11 @@ from kubernetes import utils
 from kubernetes import watch as k8s_watch
 
 from agent.config import AgentConfig, parse_config
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import Agent
 from agent.kube.node import NodeApi
 from agent.labels import node_labels
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
-from agent.simulate import StandInKubelet
-from tests.plugin_harness import short_dir
+from tests.plugin_harness import running_agent, wait_until
 
 NAMESPACE = "gpu-node-agent"
 ACCOUNT = "gpu-node-agent"
@@ -109,39 +105,25 @@ def admin_core(apiserver: ApiServer) -> Iterator[k8s.CoreV1Api]:
     node = core.read_node(NODE)
     stale = {k: None for k in (node.metadata.labels or {}) if k.startswith(("nvidia.com/", "gpu-node-agent.io/"))}
     core.patch_node(NODE, {"metadata": {"labels": stale}, "spec": {"taints": FOREIGN_TAINTS}})
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = await asyncio.to_thread(check)
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.1)
+    conditions = [c.type for c in (node.status.conditions or [])]
+    if "GPUHealthy" in conditions:
+        # A JSON patch on the status: the test op makes it fail rather than remove another condition if the
+        # list changed since it was read.
+        at = conditions.index("GPUHealthy")
+        core.patch_node_status(NODE, [{"op": "test", "path": f"/status/conditions/{at}/type", "value": "GPUHealthy"},
+                                      {"op": "remove", "path": f"/status/conditions/{at}"}])
+    node = core.read_node(NODE)
+    assert [k for k in node.metadata.labels if k.startswith(("nvidia.com/", "gpu-node-agent.io/"))] == []
+    assert agent_taints(node) == []
+    assert condition(node) is None
 
 
 @contextlib.asynccontextmanager
 async def agent_on_node(
     kubeconfig_path: Path, config: AgentConfig = FAST_HEALTH
 ) -> AsyncIterator[tuple[Agent, FakeNvml]]:
-    directory = short_dir()
-    fake = FakeNvml(load_node("dgx-h100"))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
-    api = await NodeApi.connect(kubeconfig_path, NODE)
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=api))
-    try:
-        await agent.start()
-        assert agent.reconciler is not None
-        await asyncio.wait_for(agent.reconciler.converged.wait(), 20)
-        yield agent, fake
-    finally:
-        await agent.stop()
-        await kubelet.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    async with running_agent("dgx-h100", config, kube=await NodeApi.connect(kubeconfig_path, NODE)) as rig:
+        yield rig.agent, rig.fake
 
 
 def agent_taints(node: Any) -> list[dict[str, Any]]:
@@ -179,7 +161,6 @@ async def test_labels_reach_the_node_and_foreign_ones_survive(
     agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
 ) -> None:
     async with agent_on_node(agent_kubeconfig) as (agent, _):
-        assert agent.bus is not None
         expected = node_labels(agent.bus.current, FAST_HEALTH)
         node = admin_core.read_node(NODE)
         labels = node.metadata.labels
@@ -207,29 +188,30 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
 ) -> None:
     async with agent_on_node(agent_kubeconfig) as (agent, fake):
         fake.set_gpu_lost(3)
-        node = await eventually(
+        node = await wait_until(
             lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and healthy(n) == "False" and n,
-            what="taint and condition")
+            10, "taint and condition", blocking=True)
         assert agent_taints(node) == [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
         assert foreign_taints(node) == FOREIGN_TAINTS
         assert condition(node) == ("False", "NodeGPUFault", "GPU is lost (fallen off the bus)")
-        uuid = agent.bus.current.inventory.gpus[3].uuid  # type: ignore[union-attr]
+        uuid = agent.bus.current.inventory.gpus[3].uuid
 
         def event_messages() -> list[str]:
             events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
             return [f"{e.type} {e.reason} {e.message}" for e in events.items]
 
-        assert f"Warning GPUFault GPU {uuid}: GPU is lost (fallen off the bus)" in await eventually(
-            event_messages, what="fault event")
+        assert f"Warning GPUFault GPU {uuid}: GPU is lost (fallen off the bus)" in await wait_until(
+            event_messages, 10, "fault event", blocking=True)
 
         fake.set_gpu_lost(3, False)
-        node = await eventually(
+        node = await wait_until(
             lambda: (n := admin_core.read_node(NODE)) and not agent_taints(n) and healthy(n) == "True" and n,
-            what="taint removed and condition healthy")
+            10, "taint removed and condition healthy", blocking=True)
         assert foreign_taints(node) == FOREIGN_TAINTS
         assert condition(node) == ("True", "GPUsHealthy", "all 8 GPUs healthy")
         assert f"Normal GPURecovered GPU {uuid}: recovered from GPU is lost (fallen off the bus)" in (
-            await eventually(lambda: [m for m in event_messages() if "GPURecovered" in m], what="recovery event")
+            await wait_until(lambda: [m for m in event_messages() if "GPURecovered" in m], 10, "recovery event",
+                             blocking=True)
         )
 
 
@@ -249,11 +231,12 @@ async def test_ready_only_once_the_node_shows_the_gpus_in_allocatable(
         async with agent_on_node(agent_kubeconfig) as (agent, fake):
             assert agent.ready() == (False, "the Node's Allocatable does not show nvidia.com/gpu: 8 yet")
             allocatable("8")
-            await eventually(lambda: agent.ready() == (True, "ok"), what="ready once Allocatable shows 8")
+            await wait_until(lambda: agent.ready() == (True, "ok"), 10, "ready once Allocatable shows 8")
             # A later change (a GPU fault lowers Allocatable) leaves the agent ready: it is still serving.
             fake.set_gpu_lost(3)
             allocatable("7")
-            await eventually(lambda: admin_core.read_node(NODE).status.allocatable["nvidia.com/gpu"] == "7")
+            await wait_until(lambda: admin_core.read_node(NODE).status.allocatable["nvidia.com/gpu"] == "7", 10,
+                             "Allocatable 7", blocking=True)
             await asyncio.sleep(0.5)
             assert agent.ready() == (True, "ok")
     finally:
@@ -268,8 +251,8 @@ async def test_watch_survives_an_api_server_restart(
         await asyncio.to_thread(apiserver.restart)
         core = k8s.CoreV1Api(apiserver.admin_client())
         core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/gpu.count": None}}})
-        await eventually(lambda: core.read_node(NODE).metadata.labels.get("nvidia.com/gpu.count") == "8",
-                         timeout=60, what="the agent restoring its label after the restart")
+        await wait_until(lambda: core.read_node(NODE).metadata.labels.get("nvidia.com/gpu.count") == "8",
+                         60, "the agent restoring its label after the restart", blocking=True)
 
 
 def agent_core(apiserver: ApiServer, token: str) -> k8s.CoreV1Api:
@@ -329,27 +312,27 @@ async def test_mig_label_protocol_on_a_real_node(
     try:
         async with agent_on_node(agent_kubeconfig, config) as (agent, _):
             admin_core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/mig.config": "all-1g.10gb"}}})
-            node = await eventually(
+            node = await wait_until(
                 lambda: (n := admin_core.read_node(NODE)).metadata.labels.get("nvidia.com/mig.config.state")
-                == "success" and n, timeout=60, what="success")
+                == "success" and n, 60, "success", blocking=True)
             assert node.metadata.annotations["nvidia.com/mig.config.state.reason"] == (
                 "layout 'all-1g.10gb' applied: 64 change(s)")
             assert node.metadata.labels["nvidia.com/mig-1g.10gb.count"] == "56"
             assert agent.devices() and len(agent.devices()["nvidia.com/mig-1g.10gb"]) == 56
 
             admin_core.patch_node(NODE, {"metadata": {"labels": {"nvidia.com/mig.config": "no-such-layout"}}})
-            node = await eventually(
+            node = await wait_until(
                 lambda: (n := admin_core.read_node(NODE)).metadata.labels.get("nvidia.com/mig.config.state")
-                == "failed" and n, timeout=60, what="failed")
+                == "failed" and n, 60, "failed", blocking=True)
             assert node.metadata.annotations["nvidia.com/mig.config.state.reason"].startswith(
                 "built-in default-layouts.yaml: no layout named 'no-such-layout' (known: ")
             def reasons() -> list[str]:
                 events = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
                 return [e.reason for e in events.items]
 
-            await eventually(lambda: "MigConfigFailed" in reasons(), what="the failure event")
+            await wait_until(lambda: "MigConfigFailed" in reasons(), 10, "the failure event", blocking=True)
             assert "MigConfigApplied" in reasons()
-        await eventually(lambda: states[-1:] == ["failed"], what="the watch to see failed")
+        await wait_until(lambda: states[-1:] == ["failed"], 10, "the watch to see failed")
         assert states == ["pending", "success", "pending", "failed"]
     finally:
         stop.set()

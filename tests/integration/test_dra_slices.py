@@ -114,8 +114,8 @@ async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServ
         custom = k8s.CustomObjectsApi(apiserver.admin_client())
         await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1", "resourceslices",
                                 "dra-gone-gpu.gpu-node-agent.io")
-        assert agent.slices is not None
-        agent.slices.republish()  # what a (re)registration with the kubelet does
+        assert agent.dra is not None
+        agent.dra.slices.republish()  # what a (re)registration with the kubelet does
 
         async def back() -> dict[str, Any]:
             while True:
@@ -189,7 +189,6 @@ async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
     try:
         async with dra_agent(apiserver, agent_kubeconfig, "dra-mixed", "dgx-h100", root=root, fake=fake,
                              config="flags: {migStrategy: mixed}\n") as (agent, _):
-            assert agent.bus is not None
             await kubelet.wait_for({"nvidia.com/mig-3g.40gb"}, 20)
             assert sorted(kubelet.plugins) == ["nvidia.com/mig-3g.40gb"]
             assert len(kubelet.plugins["nvidia.com/mig-3g.40gb"].devices) == 2
@@ -242,7 +241,7 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
     await server.start()
     core = k8s.CoreV1Api(apiserver.admin_client())
     try:
-        async with dra_agent(apiserver, agent_kubeconfig, "dra-relayout", "dgx-h100", root=root) as (agent, _):
+        async with dra_agent(apiserver, agent_kubeconfig, "dra-relayout", "dgx-h100", root=root) as (_agent, _):
             (before,) = await asyncio.to_thread(slices_of, apiserver, "dra-relayout")
             assert list(devices(before)) == [f"gpu-{i}" for i in range(8)]
             await asyncio.to_thread(core.patch_node, "dra-relayout",
@@ -256,7 +255,6 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
                     await asyncio.sleep(0.1)
 
             after = await asyncio.wait_for(relaid(), 30)
-            assert agent.bus is not None
             assert {d["attributes"]["profile"]["string"] for d in after["spec"]["devices"]} == {"3g.40gb"}
             assert sorted(d["attributes"]["parentIndex"]["int"] for d in after["spec"]["devices"]) == sorted(
                 [i for i in range(8)] * 2)

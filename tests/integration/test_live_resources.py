@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import grpc
 import pytest
 
 from agent.config import load_config
-from agent.daemon import Agent, AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
-from agent.simulate import InMemoryNode, StandInKubelet
-from tests.plugin_harness import carve_mig, running_agent, short_dir, wait_until
+from agent.simulate import InMemoryNode
+from tests.plugin_harness import carve_mig, running_agent, wait_until
 
 SHARED_HALF = """version: v1
 sharing:
@@ -51,7 +48,7 @@ async def test_config_reload_changes_only_the_affected_resources(tmp_path: Path)
         assert {r: len(v.devices) for r, v in kubelet.plugins.items()} == {
             "example.com/shared-gpu": 16, "nvidia.com/gpu": 4
         }
-        rejected = rig.agent.bus.current.incidents[-1]  # type: ignore[union-attr]
+        rejected = rig.agent.bus.current.incidents[-1]
         assert (rejected.kind, rejected.message) == (
             "config-rejected",
             f"config reload rejected: {path}: sharing.timeSlicing.resources[0].replicas: "
@@ -61,7 +58,7 @@ async def test_config_reload_changes_only_the_affected_resources(tmp_path: Path)
         path.write_text("version: v1\n")
         assert await rig.agent.reload_config() is True
         await wait_until(lambda: len(rig.devices("nvidia.com/gpu")) == 8, what="8 whole GPUs")
-        await wait_until(lambda: "example.com/shared-gpu" not in rig.agent.plugins.plugins,  # type: ignore[union-attr]
+        await wait_until(lambda: "example.com/shared-gpu" not in rig.agent.plugins.plugins,
                          what="the shared resource's server to stop")
         assert rig.devices("example.com/shared-gpu") == []
         assert whole.endpoint == endpoint
@@ -83,7 +80,7 @@ async def test_replicas_allocate_their_gpu_once_and_fail_requests_greater_than_o
         ids = [d.ID for d in rig.devices()]
         assert len(ids) == 16
         response = await rig.stub().Allocate(allocate(ids[0], ids[1], ids[5]))
-        uuids = [g.uuid for g in rig.agent.bus.current.inventory.gpus]  # type: ignore[union-attr]
+        uuids = [g.uuid for g in rig.agent.bus.current.inventory.gpus]
         assert dict(response.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": f"{uuids[0]},{uuids[1]}"}
 
     strict = config.model_copy(update={"sharing": config.sharing.model_validate(
@@ -121,16 +118,9 @@ async def test_mixed_strategy_over_grpc() -> None:
 async def test_node_label_selects_a_named_config(tmp_path: Path) -> None:
     (tmp_path / "default").write_text("version: v1\n")
     (tmp_path / "sliced").write_text(SHARED_HALF.format(replicas=2))
-    directory = short_dir()
-    fake = FakeNvml(load_node("pcie-l40s-4"))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
     node = InMemoryNode("n1")
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node), AgentOptions(
-        config=load_config(tmp_path), kubelet_dir=directory, metrics_port=None, kube=node, config_path=tmp_path))
-    try:
-        await agent.start()
-        await kubelet.wait_for({"nvidia.com/gpu"}, 10)
+    async with running_agent("pcie-l40s-4", load_config(tmp_path), kube=node, config_path=tmp_path) as rig:
+        kubelet = rig.kubelet
         await node.patch_metadata({"nvidia.com/device-plugin.config": "sliced"}, {})
         await wait_until(lambda: "example.com/shared-gpu" in kubelet.plugins
                          and len(kubelet.plugins["example.com/shared-gpu"].devices) == 8, what="the sliced config")
@@ -141,10 +131,6 @@ async def test_node_label_selects_a_named_config(tmp_path: Path) -> None:
             f"config reload rejected: {tmp_path}: no config named 'missing' (known: default, sliced)",
         )
         assert len(kubelet.plugins["example.com/shared-gpu"].devices) == 8
-    finally:
-        await agent.stop()
-        await kubelet.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 async def test_withheld_gpus_are_reported_once_as_an_incident() -> None:
@@ -155,7 +141,6 @@ async def test_withheld_gpus_are_reported_once_as_an_incident() -> None:
     )
     async with running_agent("dgx-h100", config, fake=dgx) as rig:
         bus = rig.agent.bus
-        assert bus is not None
         await wait_until(lambda: any(i.kind == "resources-withheld" for i in bus.current.incidents), what="report")
         withheld = [i.message for i in bus.current.incidents if i.kind == "resources-withheld"]
         assert withheld == [

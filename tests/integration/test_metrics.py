@@ -59,7 +59,7 @@ async def test_metrics_reflect_health_xids_and_allocations() -> None:
         assert values[("gpu_agent_gpu_memory_total_bytes", (("gpu", "0"),))] == 81559 * 1024 * 1024
         temperatures = [k for k in values if k[0] == "gpu_agent_gpu_temperature_celsius"]
         assert len(temperatures) == 8
-        await wait_until(lambda: monitor.telemetry[rig.agent.bus.current.inventory.gpus[5].uuid]  # type: ignore[union-attr]
+        await wait_until(lambda: monitor.telemetry[rig.agent.bus.current.inventory.gpus[5].uuid]
                          .utilization_pct == 75, what="a sample after the utilisation changed")
         values = samples((await get(port, "/metrics"))[1])
         assert values[("gpu_agent_gpu_utilization_ratio", (("gpu", "5"),))] == 0.75
@@ -84,7 +84,7 @@ async def test_keys_without_effect_and_selectors_matching_nothing_are_counted_an
                           "features.d/gfd\nsharing:\n  timeSlicing:\n    resources:\n"
                           "    - {name: nvidia.com/gpu, replicas: 2, devices: [0, 11]}\n", "cfg")
     async with running_agent("dgx-h100", config, metrics_port=0) as rig:
-        assert rig.agent.http is not None and rig.agent.bus is not None
+        assert rig.agent.http is not None
         port = rig.agent.http.port
         bus = rig.agent.bus
         warning = "sharing.timeSlicing.resources[0].devices[1]: 11 selects no device of nvidia.com/gpu on this node"

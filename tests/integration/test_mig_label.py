@@ -14,15 +14,13 @@ import pytest
 import yaml
 
 from agent.config import parse_config
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import Agent
 from agent.mig import controller
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.nodefile import load_node
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import InMemoryNode, StandInKubelet
-from tests.plugin_harness import short_dir, wait_until
+from tests.plugin_harness import running_agent, short_dir, wait_until
 
 STATE = "nvidia.com/mig.config.state"
 REASON = "nvidia.com/mig.config.state.reason"
@@ -75,19 +73,11 @@ async def mig_node(**mig: object) -> AsyncIterator[tuple[Agent, RecordingNode, F
     directory = short_dir()
     settings = {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock", **mig}
     config = parse_config(yaml.safe_dump({"version": "v1", "flags": {"migStrategy": "mixed"}, "mig": settings}))
-    fake = FakeNvml(load_node("dgx-h100"))
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
     node = RecordingNode("gpu-node-1")
-    agent = Agent(NvmlBackend(lib=fake, numa_lookup=fake.numa_node),
-                  AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
     try:
-        await agent.start()
-        await kubelet.wait_for({"nvidia.com/gpu"}, 10)
-        yield agent, node, fake, kubelet, directory
+        async with running_agent("dgx-h100", config, kube=node, directory=directory) as rig:
+            yield rig.agent, node, rig.fake, rig.kubelet, directory
     finally:
-        await agent.stop()
-        await kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -133,14 +123,14 @@ async def test_impossible_layout_is_refused_before_anything_changes(tmp_path: Pa
         assert node.view.annotations[REASON].startswith(
             "GPU 0: 4g.40gb + 2 x 2g.20gb do not fit together: 4g.40gb must use slices 0-3;"
         )
-        inventory = agent.bus.current.inventory  # type: ignore[union-attr]
+        inventory = agent.bus.current.inventory
         assert not any(g.mig_enabled for g in inventory.gpus)
         assert counts(kubelet) == {"nvidia.com/gpu": 8}
 
 
 async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
     async with mig_node() as (agent, node, _, kubelet, directory):
-        gpus = agent.bus.current.inventory.gpus  # type: ignore[union-attr]
+        gpus = agent.bus.current.inventory.gpus
         # trainer-0 holds GPUs 2 and 5 in one container; eval-0 holds GPU 5 too (a second container would be
         # another pod entry with the same GPU): the reason names the two held GPUs and each pod once.
         holding = {"trainer-0": [gpus[5].uuid, gpus[2].uuid], "eval-0": [gpus[5].uuid]}
@@ -153,7 +143,7 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
                              "of 5)", what="the retry announced")
             assert ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}") in node.events
             await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
-            assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)  # type: ignore[union-attr]
+            assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)
 
 
 async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
@@ -161,7 +151,7 @@ async def test_devices_are_withdrawn_before_the_layout_changes() -> None:
         seen: list[tuple[str | None, dict[str, int]]] = []
 
         def status() -> str | None:
-            current = agent.bus.current.mig_status  # type: ignore[union-attr]
+            current = agent.bus.current.mig_status
             return current.state if current else None
 
         async def watch() -> None:
@@ -198,7 +188,7 @@ async def test_a_layout_that_selects_no_gpu_succeeds_and_says_so(tmp_path: Path)
 async def test_a_failed_layout_is_tried_again_while_the_label_stays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(controller, "RETRY_DELAYS_S", (0.5, 0.5))
     async with mig_node() as (agent, node, _, kubelet, directory):
-        gpus = agent.bus.current.inventory.gpus  # type: ignore[union-attr]
+        gpus = agent.bus.current.inventory.gpus
         holding = {"trainer-0": [gpus[3].uuid]}
         async with pod_resources(directory, holding):
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})

@@ -9,7 +9,7 @@ import json
 import re
 import shutil
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +22,16 @@ import yaml
 from prometheus import PROMETHEUS, PROMTOOL, ensure_prometheus, promtool, running_prometheus
 
 from agent.config import parse_config
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import Agent
 from agent.kube.node import ApiError
 from agent.kube.view import NodeView
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
-from agent.simulate import InMemoryNode, StandInKubelet
-from tests.plugin_harness import short_dir
+from agent.simulate import InMemoryNode
+from tests import plugin_harness as harness
+from tests.plugin_harness import running_agent, short_dir, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "daemonset" / "monitoring" / "gpu-node-agent-rules.yaml"
@@ -74,7 +74,6 @@ class Node:
         return self.agent.http.port
 
     def uuids(self) -> list[str]:
-        assert self.agent.bus is not None
         return [g.uuid for g in self.agent.bus.current.inventory.gpus]
 
 
@@ -83,6 +82,10 @@ class UnreachableApiServer(InMemoryNode):
 
     async def get(self) -> NodeView:
         raise ApiError(503, "ServiceUnavailable", "the API server is down")
+
+
+SCRAPED_S = 45.0
+"""How long a figure may take to reach Prometheus (scrape and rule intervals included)."""
 
 
 def agent_config(directory: Path, **mig: object) -> Any:
@@ -95,26 +98,19 @@ def agent_config(directory: Path, **mig: object) -> Any:
     }))
 
 
-async def restart_kubelet(kubelet: StandInKubelet, agent: Agent) -> StandInKubelet:
-    """A kubelet restart: its sockets go, a new one serves, the agent registers again."""
-    await kubelet.stop()
-    for path in kubelet.directory.iterdir():
-        if path.is_socket():
-            path.unlink()
-    kubelet = StandInKubelet(kubelet.directory)
-    await kubelet.start()
-    await kubelet.wait_for(set(agent.devices()), 10)
-    return kubelet
-
-
 @dataclass
 class Rig:
     node1: Node
     node2: Node
     node3: Node
     lister: PodResources
-    kubelet: StandInKubelet
+    on_node1: harness.Rig
     directory: Path
+
+    async def restart_kubelet(self) -> None:
+        """A kubelet restart on gpu-node-1: its sockets go, a new one serves, the agent registers again."""
+        await self.on_node1.restart_kubelet()
+        await self.on_node1.kubelet.wait_for(set(self.node1.agent.devices()), 10)
 
 
 @asynccontextmanager
@@ -137,48 +133,25 @@ async def cluster() -> AsyncIterator[Rig]:
         await server.start()
         servers.append(server)
     third.mkdir()
-    kubelet = StandInKubelet(directory)
-    await kubelet.start()
-    fake1 = FakeNvml(load_node("dgx-h100"))
-    agent1 = Agent(NvmlBackend(lib=fake1, numa_lookup=fake1.numa_node),
-                   AgentOptions(config=agent_config(directory), kubelet_dir=directory, metrics_port=0,
-                                metrics_host="127.0.0.1"))
-    node2 = InMemoryNode("gpu-node-2")
-    agent2 = Agent(NvmlBackend(lib=fake2, numa_lookup=fake2.numa_node),
-                   AgentOptions(config=agent_config(other), kubelet_dir=other, metrics_port=0,
-                                metrics_host="127.0.0.1", kube=node2))
     fake3 = FakeNvml(load_node("single-h200"))
     fake3.set_gpu_lost(0)
-    agent3 = Agent(NvmlBackend(lib=fake3, numa_lookup=fake3.numa_node),
-                   AgentOptions(config=agent_config(third), kubelet_dir=third, metrics_port=0,
-                                metrics_host="127.0.0.1", kube=UnreachableApiServer("gpu-node-3")))
-    rig = Rig(Node(agent1, fake1), Node(agent2, fake2), Node(agent3, fake3), lister, kubelet, directory)
+    node2 = InMemoryNode("gpu-node-2")
     try:
-        await agent1.start()
-        await kubelet.wait_for(set(agent1.devices()), 10)
-        await agent2.start()
-        await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
-        await agent3.start()
-        yield rig
+        async with (
+            running_agent("dgx-h100", agent_config(directory), metrics_port=0, directory=directory) as one,
+            running_agent("single-h200", agent_config(other), fake=fake2, kube=node2, kubelet_first=False,
+                          metrics_port=0, directory=other) as two,
+        ):
+            await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
+            async with running_agent("single-h200", agent_config(third), fake=fake3, kubelet_first=False,
+                                     kube=UnreachableApiServer("gpu-node-3"), metrics_port=0, directory=third,
+                                     await_node=False) as three:
+                yield Rig(Node(one.agent, one.fake), Node(two.agent, fake2), Node(three.agent, fake3), lister, one,
+                          directory)
     finally:
-        for node in (rig.node1, rig.node2, rig.node3):
-            await node.agent.stop()
-        await rig.kubelet.stop()
         for server in servers:
             await server.stop(None)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-async def eventually(check: Callable[[], Any], what: str, timeout: float = 45.0) -> Any:
-    """Run `check` (in a thread: it queries Prometheus) until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = await asyncio.to_thread(check)
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.5)
 
 
 def dashboard_queries(path: Path) -> list[str]:
@@ -218,17 +191,18 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
         targets = {"gpu-node-1": node1.port, "gpu-node-2": rig.node2.port, "gpu-node-3": rig.node3.port}
         with running_prometheus(rig.directory, targets, [RULES]) as prom:
             # Four kubelet restarts once Prometheus watches: each one a registration again.
-            await eventually(lambda: prom.query('gpu_agent_kubelet_registrations_total{instance="gpu-node-1"}'),
-                             "the first registration scraped")
+            await wait_until(lambda: prom.query('gpu_agent_kubelet_registrations_total{instance="gpu-node-1"}'),
+                             SCRAPED_S, "the first registration scraped", blocking=True)
             for _ in range(4):
-                rig.kubelet = await restart_kubelet(rig.kubelet, node1.agent)
+                await rig.restart_kubelet()
 
             # Per-pod attribution as Prometheus stores it: trainer-0 on exactly GPUs 2 and 5.
             def trainer_gpus() -> list[str]:
                 series = prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",pod="trainer-0"}')
                 return sorted(s["metric"]["gpu"] for s in series)
 
-            assert await eventually(lambda: trainer_gpus() == ["2", "5"], "trainer-0 on GPUs 2 and 5")
+            assert await wait_until(lambda: trainer_gpus() == ["2", "5"], SCRAPED_S, "trainer-0 on GPUs 2 and 5",
+                                    blocking=True)
             [labels] = [s["metric"] for s in prom.query('DCGM_FI_DEV_FB_USED{instance="gpu-node-1",gpu="2"}')]
             assert (labels["namespace"], labels["container"], labels["UUID"], labels["Hostname"] != "") == (
                 "ml", "main", gpus[2], True)
@@ -242,12 +216,13 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert len(dcgm_queries) == 8
             for expr in dcgm_queries:
                 query = grafana(expr, "gpu-node-1")
-                assert await eventually(lambda q=query: returns_series(q), query), query
+                assert await wait_until(lambda q=query: returns_series(q), SCRAPED_S, query, blocking=True), query
             def instances() -> list[str]:
                 found: list[str] = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
                 return found
 
-            assert await eventually(lambda: instances() == ["gpu-node-1", "gpu-node-2"], "both nodes' GPUs")
+            assert await wait_until(lambda: instances() == ["gpu-node-1", "gpu-node-2"], SCRAPED_S, "both nodes' GPUs",
+                                    blocking=True)
             gpu_values = prom.get("/api/v1/label/gpu/values",
                                   **{"match[]": 'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"}'})
             assert gpu_values == [str(i) for i in range(7)]  # GPU 7 is lost: no series
@@ -257,7 +232,7 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
                 query = grafana(expr, "gpu-node-1|gpu-node-2")
                 await asyncio.to_thread(prom.query, query)
                 if "DCGM_FI_" in query or "xid_errors" in query:
-                    assert await eventually(lambda q=query: returns_series(q), query), query
+                    assert await wait_until(lambda q=query: returns_series(q), SCRAPED_S, query, blocking=True), query
             tensor = prom.query('DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance="gpu-node-1"}')
             assert len(tensor) == 7
 
@@ -267,19 +242,21 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
                          'DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE) > 0.95',
                          'DCGM_FI_DEV_ROW_REMAP_FAILURE > 0',
                          'avg_over_time(DCGM_FI_DEV_GPU_UTIL{pod!=""}[5m]) < 5'):
-                assert await eventually(lambda e=expr: returns_series(e), expr), expr
+                assert await wait_until(lambda e=expr: returns_series(e), SCRAPED_S, expr, blocking=True), expr
             [xid] = prom.query('DCGM_FI_DEV_XID_ERRORS{instance="gpu-node-1",gpu="0"}')
             assert (xid["value"][1], xid["metric"]["err_msg"]) == ("79", "GPU has fallen off the bus")
 
             # Every shipped alert: its expression returns series, and Prometheus itself has it pending or firing.
             rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
             for rule in rules:
-                assert await eventually(lambda r=rule: returns_series(r["expr"]), rule["alert"]), rule["alert"]
+                assert await wait_until(lambda r=rule: returns_series(r["expr"]), SCRAPED_S, rule["alert"],
+                                        blocking=True), rule["alert"]
 
             def alerting() -> set[str]:
                 return {s["metric"]["alertname"] for s in prom.query("ALERTS")}
 
-            assert await eventually(lambda: alerting() >= {r["alert"] for r in rules}, "every alert pending or firing")
+            assert await wait_until(lambda: alerting() >= {r["alert"] for r in rules}, SCRAPED_S,
+                                    "every alert pending or firing", blocking=True)
             where = {r["alert"]: sorted({(s["metric"]["instance"] if "instance" in s["metric"] else
                                           s["metric"].get("Hostname", "")) for s in prom.query(r["expr"])})
                      for r in rules}
@@ -298,9 +275,9 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
 
             # The pod ends: its labels leave the series at the next pass and scrape.
             lister.pods = {"idle-0": [gpus[6]]}
-            assert await eventually(lambda: trainer_gpus() == [], "trainer-0 gone")
-            assert await eventually(lambda: len(prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",gpu="2"}'))
-                                    == 1, "GPU 2 back to one series")
+            assert await wait_until(lambda: trainer_gpus() == [], SCRAPED_S, "trainer-0 gone", blocking=True)
+            assert await wait_until(lambda: len(prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",gpu="2"}'))
+                                    == 1, SCRAPED_S, "GPU 2 back to one series", blocking=True)
 
 
 def metrics_of(port: int) -> str:
@@ -320,7 +297,6 @@ async def test_promtool_checks_the_agents_exposition() -> None:
     async with cluster() as rig:
         node1 = rig.node1
         rig.lister.pods = {"trainer-0": [node1.uuids()[1]]}
-        assert node1.agent.telemetry is not None
         while node1.agent.telemetry.passes < 2:
             await asyncio.sleep(0.1)
         text = await asyncio.to_thread(metrics_of, node1.port)

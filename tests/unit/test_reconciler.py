@@ -31,7 +31,7 @@ async def start(node: InMemoryNode) -> tuple[NodeReconciler, StateBus, asyncio.T
         node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned
     )
     task = asyncio.create_task(reconciler.run())
-    await asyncio.wait_for(reconciler.converged.wait(), 5)
+    await asyncio.wait_for(reconciler.converged_at(bus.current.version), 5)
     return reconciler, bus, task
 
 
@@ -144,7 +144,7 @@ async def test_incidents_past_the_history_bound_are_counted_in_one_event() -> No
     reconciler = NodeReconciler(node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned)
     task = asyncio.create_task(reconciler.run())
     try:
-        await asyncio.wait_for(reconciler.converged.wait(), 5)
+        await asyncio.wait_for(reconciler.converged_at(bus.current.version), 5)
         await settle(reconciler, bus, node)
         assert node.events[0] == ("Warning", "EventsDropped", "36 earlier GPU agent event(s) could not be recorded "
                                   "in time (the history keeps the newest 64, for up to an hour)")
