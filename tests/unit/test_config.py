@@ -40,6 +40,12 @@ def test_nvidia_key_names_are_accepted() -> None:
          "cfg.yaml: sharing.mps.resources: MPS shares whole GPUs only (nvidia.com/gpu), not nvidia.com/mig-1g.10gb"),
         ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
          "cfg.yaml: sharing.timeSlicing.resources[0].replicas: got 1; must be at least 2"),
+        # One replica is no sharing at all: NVIDIA's plugin refuses fewer than 2 too, for MPS and MIG devices alike.
+        ("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
+         "cfg.yaml: sharing.mps.resources[0].replicas: got 1; must be at least 2"),
+        ("version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+         "    - {name: nvidia.com/gpu, replicas: 4}\n    - {name: nvidia.com/mig-1g.10gb, replicas: 1}\n",
+         "cfg.yaml: sharing.timeSlicing.resources[1].replicas: got 1; must be at least 2"),
         ("version: v1\nresources:\n  gpus:\n  - {pattern: '*', name: GPU_H100}\n",
          "cfg.yaml: resources.gpus[0].name: 'nvidia.com/GPU_H100' is not a resource name under nvidia.com/ "
          "(lower case, digits, '-', '.')"),
