@@ -699,8 +699,7 @@ func (h *harness) checkHealth(k *kubelet) {
 		r.fail("health-recovered", "not checked: nothing became unhealthy")
 		return
 	}
-	wantIDs := 1
-	okIDs := len(drop.unhealthy) == wantIDs && (o.unhealthy == "" || drop.unhealthy[0] == o.unhealthy)
+	okIDs := len(drop.unhealthy) == 1 && (o.unhealthy == "" || drop.unhealthy[0] == o.unhealthy)
 	figures := fmt.Sprintf("unhealthy %v, capacity %s=%d allocatable=%d after %d ms", drop.unhealthy, res.name,
 		drop.capacity, drop.allocatable, drop.at.Sub(injected).Milliseconds())
 	if !okIDs || drop.capacity != int64(res.devices) || drop.allocatable != int64(res.devices-1) {
