@@ -30,7 +30,7 @@ from agent.nvml.nodefile import load_node
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import InMemoryNode
-from tests import plugin_harness as harness
+from tests.plugin_harness import Rig as AgentRig
 from tests.plugin_harness import running_agent, short_dir, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ class Rig:
     node2: Node
     node3: Node
     lister: PodResources
-    on_node1: harness.Rig
+    on_node1: AgentRig
     directory: Path
 
     async def restart_kubelet(self) -> None:
