@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean cluster cluster-down
+.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean cluster cluster-down mutate
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,24 @@ unit: $(STAMP)
 
 test: $(STAMP)
 	hack/test.sh
+
+# Mutation testing of the pure core against its unit tests (docs/mutation.md). Results are kept in mutants/
+# and a second run only retests what changed; MUTANTS='agent.labels*' limits a run to matching mutants.
+MUTATE_STAMP := $(VENV)/.installed-mutate
+MUTANTS ?=
+$(MUTATE_STAMP): $(STAMP)
+	@$(PY) -m pip install -q -e '.[test,mutate]' >>$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	@start=$$(date +%s); nice -n 15 $(VENV)/bin/mutmut run $(MUTANTS) || exit 1; \
+	  echo "mutmut run: $$(( $$(date +%s) - start )) s"
+	@printf '%-30s %7s %7s %8s %8s %7s\n' module killed survived timeout 'no tests' other
+	@$(VENV)/bin/mutmut results --all true | awk -F': ' '{ m = $$1; sub(/^ +/, "", m); sub(/\.x[_ǁ].*/, "", m); \
+	  s = $$2; if (s != "killed" && s != "survived" && s != "timeout" && s != "no tests") s = "other"; n[m, s]++; \
+	  mods[m] } END { for (m in mods) printf "%-30s %7d %7d %8d %8d %7d\n", m, n[m, "killed"], n[m, "survived"], \
+	  n[m, "timeout"], n[m, "no tests"], n[m, "other"] }' | sort
+	@$(VENV)/bin/mutmut results
 
 bench: $(STAMP)
 	$(PY) bench/allocator_bench.py

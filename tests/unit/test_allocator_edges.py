@@ -1,0 +1,78 @@
+"""Allocator choices that only show on particular loads and layouts: which GPU a time-sliced or MIG request
+lands on when the simple cases tie, and the checks on what the caller passes in. Every expectation is worked
+out by hand from the policy in agent/topology/allocator.py's docstrings."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.topology.allocator import AllocationError, preferred_mig, preferred_shared
+from agent.topology.model import Topology
+
+UNLINKED = Topology.build([0, 0, 0], {}, {})
+"""Three GPUs on one NUMA node with no NVLink: every pair scores the same."""
+TWO = Topology.build([0, 0], {}, {})
+
+
+def test_a_replica_on_a_gpu_past_the_last_is_refused() -> None:
+    with pytest.raises(AllocationError) as caught:
+        preferred_shared(TWO, {"g0::0": 0, "g2::0": 2}, ["g0::0"], [], 1)
+    assert str(caught.value) == "replica 'g2::0' is on GPU 2, which the topology does not have"
+    with pytest.raises(AllocationError) as last:
+        preferred_shared(TWO, {"g0::0": 0, "g1::0": 1, "gx::0": 2}, ["g0::0"], [], 1)
+    assert str(last.value) == "replica 'gx::0' is on GPU 2, which the topology does not have"
+
+
+def test_distributed_extra_replicas_go_to_the_gpu_with_the_fewest_counting_this_request() -> None:
+    every = {f"g{g}::{r}": g for g in range(2) for r in range(4)}
+    # Two replicas of GPU 0 are required; one goes to GPU 1, and the fourth to GPU 1 again (1 < 2 on GPU 0).
+    assert preferred_shared(TWO, every, list(every), ["g0::0", "g0::1"], 4) == ["g0::0", "g0::1", "g1::0", "g1::1"]
+
+
+def test_distributed_never_asks_a_gpu_for_more_replicas_than_it_has_free() -> None:
+    # GPU 0 has two replicas, both required (its level is 2); GPU 1 has four, two allocated already (load 2).
+    every = {"g0::0": 0, "g0::1": 0, "g1::0": 1, "g1::1": 1, "g1::2": 1, "g1::3": 1}
+    available = ["g1::2", "g1::3"]
+    assert preferred_shared(TWO, every, available, ["g0::0", "g0::1"], 4) == ["g0::0", "g0::1", "g1::2", "g1::3"]
+
+
+def test_distributed_fills_up_to_the_last_free_replica() -> None:
+    # GPU 0: one free replica of two, GPU 1: three of three. Five replicas take every free one.
+    every = {"g0::0": 0, "g0::1": 0, "g1::0": 1, "g1::1": 1, "g1::2": 1}
+    available = ["g0::1", "g1::0", "g1::1", "g1::2"]
+    assert preferred_shared(TWO, every, available, [], 4) == ["g0::1", "g1::0", "g1::1", "g1::2"]
+    # Three free on GPU 0 and one on GPU 1: the fourth replica can only come from GPU 0.
+    every = {"g0::0": 0, "g0::1": 0, "g0::2": 0, "g1::0": 1}
+    assert preferred_shared(TWO, every, list(every), [], 4) == ["g0::0", "g0::1", "g0::2", "g1::0"]
+
+
+def test_distributed_evens_out_the_load_one_replica_at_a_time() -> None:
+    # GPU 0 is idle, GPU 1 carries one replica: one new replica each, then both extras go to GPU 0: the first
+    # because its level is 1 against 2, the second because the tie at 2 goes to the lower index.
+    every = {f"g{g}::{r}": g for g in range(2) for r in range(4)}
+    available = [rid for rid in every if rid != "g1::0"]
+    assert preferred_shared(TWO, every, available, [], 4) == ["g0::0", "g0::1", "g0::2", "g1::1"]
+
+
+def test_packed_fills_the_busier_required_gpu_first() -> None:
+    # One replica of each GPU is required; GPU 1 carries two replicas already, so the third request goes there.
+    every = {f"g{g}::{r}": g for g in range(2) for r in range(4)}
+    available = ["g0::0", "g0::1", "g0::2", "g0::3", "g1::2", "g1::3"]
+    assert preferred_shared(TWO, every, available, ["g0::0", "g1::2"], 3, "packed") == [
+        "g0::0", "g1::2", "g1::3"]
+
+
+def test_packed_ties_go_to_the_lowest_gpu() -> None:
+    every = {f"g{g}::{r}": g for g in range(3) for r in range(4)}
+    assert preferred_shared(UNLINKED, every, list(every), [], 2, "packed") == ["g0::0", "g0::1"]
+
+
+def test_mig_request_bigger_than_any_gpu_starts_on_the_lowest_of_the_largest() -> None:
+    devices = {f"mig-{g}-{i}": (g, 0) for g in range(3) for i in range(2)}
+    assert preferred_mig(devices, list(devices), [], 5) == ["mig-0-0", "mig-0-1", "mig-1-0", "mig-1-1", "mig-2-0"]
+
+
+def test_mig_device_with_a_bad_parent_index_is_named() -> None:
+    with pytest.raises(AllocationError) as caught:
+        preferred_mig({"mig-a": (-1, 0)}, ["mig-a"], [], 1)
+    assert str(caught.value) == "MIG device 'mig-a': parent GPU index -1 is not a non-negative integer"

@@ -1,0 +1,47 @@
+"""GPU feature discovery labels on nodes that are not uniform: MIG-enabled GPUs under a time-slicing config,
+two GPU models, and migStrategy single on a node where only some GPUs are MIG-enabled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agent.config import parse_config
+from agent.labels import node_labels
+from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory
+from agent.state import NodeState
+from tests.unit.test_inventory import node
+from tests.unit.test_labels import gpu
+
+SHARED = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"
+
+
+def gpu_labels(labels: dict[str, str]) -> dict[str, str]:
+    keys = ("product", "count", "replicas", "sharing-strategy", "memory")
+    return {k: labels[f"nvidia.com/gpu.{k}"] for k in keys if f"nvidia.com/gpu.{k}" in labels}
+
+
+def inventory(*gpus: GpuInfo) -> NodeState:
+    return NodeState(version=1, inventory=NodeInventory(driver=DriverInfo("570.133.20", "12.8"), gpus=gpus, links=()))
+
+
+def test_mig_enabled_gpus_are_labelled_without_the_sharing_of_whole_gpus() -> None:
+    state = inventory(*(dataclasses.replace(gpu(i, 0), mig_enabled=True) for i in range(2)))
+    assert gpu_labels(node_labels(state, parse_config(SHARED))) == {
+        "product": "NVIDIA-A100-SXM4-80GB", "count": "2", "replicas": "0", "sharing-strategy": "none",
+        "memory": "81920"}
+
+
+def test_the_gpu_labels_of_two_models_describe_one_model() -> None:
+    l40s = dataclasses.replace(gpu(1, 0), name="NVIDIA L40S", memory_mib=46068, compute_capability=(8, 9))
+    labels = node_labels(inventory(gpu(0, 0), l40s), parse_config("version: v1\n"))
+    assert gpu_labels(labels) == {"product": "NVIDIA-L40S", "count": "1", "replicas": "1",
+                                  "sharing-strategy": "none", "memory": "46068"}
+    assert labels["nvidia.com/gpu.family"] == "ada-lovelace"
+
+
+def test_single_strategy_with_some_gpus_not_mig_enabled_is_invalid() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: single\n",
+                 mig={0: [("1g.10gb", i) for i in range(7)]})
+    labels = node_labels(state, state.config)
+    assert gpu_labels(labels) == {"product": "NVIDIA-H100-80GB-HBM3-MIG-INVALID", "count": "0", "replicas": "0",
+                                  "sharing-strategy": "", "memory": "0"}

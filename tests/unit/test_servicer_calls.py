@@ -1,0 +1,251 @@
+"""The DevicePlugin service of one resource over real gRPC on a unix socket, without an agent or a kubelet:
+what the kubelet gets back from each call, and what it is refused with."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.inventory import PlanCache
+from agent.metrics import Metrics
+from agent.state import DeviceHealth, NodeState, StateBus
+from agent.topology.prefer import Preferences
+from tests.plugin_harness import short_dir
+from tests.unit.test_inventory import node
+
+GPU = "nvidia.com/gpu"
+DGX_NUMA = [0, 0, 0, 0, 1, 1, 1, 1]
+"""The DGX H100's GPUs 0-3 sit on NUMA node 0, 4-7 on node 1."""
+
+
+@dataclass
+class Served:
+    stub: api_pb2_grpc.DevicePluginStub
+    bus: StateBus
+    servicer: DevicePluginServicer
+    metrics: Metrics
+    ids: list[str]
+    """The GPU UUIDs, by index."""
+
+
+@contextlib.contextmanager
+def serving(state: NodeState, resource: str = GPU) -> Iterator[Served]:
+    bus = StateBus(state)
+    metrics = Metrics()
+    servicer = DevicePluginServicer(resource, bus, PlanCache(), Preferences(lambda: bus.current), metrics)
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
+    api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    directory = short_dir()
+    target = f"unix://{directory}/plugin.sock"
+    server.add_insecure_port(target)
+    servicer.open()
+    server.start()
+    channel = grpc.insecure_channel(target)
+    try:
+        yield Served(api_pb2_grpc.DevicePluginStub(channel), bus, servicer, metrics,
+                     [g.uuid for g in state.inventory.gpus])
+    finally:
+        servicer.close()
+        channel.close()
+        server.stop(None).wait()
+        shutil.rmtree(directory)
+
+
+def refusal(call: object) -> tuple[grpc.StatusCode, str]:
+    assert isinstance(call, grpc.RpcError)
+    return call.code(), call.details()  # type: ignore[attr-defined]
+
+
+def preferred(served: Served, available: list[str], size: int, must: list[str] | None = None) -> list[str]:
+    response = served.stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(container_requests=[
+        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=available,
+                                                    must_include_deviceIDs=must or [], allocation_size=size)]))
+    (container,) = response.container_responses
+    return list(container.deviceIDs)
+
+
+def refused_preference(served: Served, available: list[str], size: int,
+                       must: list[str] | None = None) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        preferred(served, available, size, must)
+    return refusal(caught.value)
+
+
+def allocate(served: Served, *requests: list[str]) -> api_pb2.AllocateResponse:
+    return served.stub.Allocate(api_pb2.AllocateRequest(
+        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in requests]))
+
+
+def refused_allocate(served: Served, *requests: list[str]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        allocate(served, *requests)
+    return refusal(caught.value)
+
+
+def counter(metrics: Metrics, name: str, resource: str = GPU) -> float | None:
+    return metrics.registry.get_sample_value(name, {"resource": resource})
+
+
+def test_options_offer_preferred_allocation_and_no_pre_start() -> None:
+    with serving(node()) as served:
+        options = served.stub.GetDevicePluginOptions(api_pb2.Empty())
+        assert served.stub.PreStartContainer(api_pb2.PreStartContainerRequest(devices_ids=["x"])) == \
+            api_pb2.PreStartContainerResponse()
+    assert (options.pre_start_required, options.get_preferred_allocation_available) == (False, True)
+
+
+async def test_list_and_watch_sends_the_list_then_each_change() -> None:
+    with serving(node()) as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        first = next(stream)
+        assert [d.ID for d in first.devices] == served.ids
+        assert [d.health for d in first.devices] == ["Healthy"] * 8
+        assert [[n.ID for n in d.topology.nodes] for d in first.devices] == [[n] for n in DGX_NUMA]
+        # A state that changes nothing this resource lists sends nothing; the next change does.
+        await served.bus.update(mig_request="all-disabled")
+        await served.bus.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
+        second = next(stream)
+        assert [d.health for d in second.devices] == ["Healthy"] * 5 + ["Unhealthy"] + ["Healthy"] * 2
+        assert [d.ID for d in second.devices] == served.ids
+        stream.cancel()
+
+
+async def test_a_resource_the_state_does_not_have_lists_no_devices() -> None:
+    with serving(node(), resource="nvidia.com/mig-1g.10gb") as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        assert list(next(stream).devices) == []
+        assert served.servicer.devices() == ()
+        stream.cancel()
+
+
+def test_close_ends_every_open_stream() -> None:
+    with serving(node()) as served:
+        streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(2)]
+        assert [len(next(s).devices) for s in streams] == [8, 8]
+        served.servicer.close()
+        assert [list(s) for s in streams] == [[], []]
+
+
+def test_a_fifth_stream_is_refused_until_one_ends() -> None:
+    with serving(node()) as served:
+        streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(4)]
+        assert [len(next(s).devices) for s in streams] == [8] * 4
+        fifth = served.stub.ListAndWatch(api_pb2.Empty())
+        with pytest.raises(grpc.RpcError) as caught:
+            next(fifth)
+        assert refusal(caught.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         "ListAndWatch for nvidia.com/gpu already has 4 open streams")
+        streams[0].cancel()
+        for attempt in range(200):  # the server sees the cancellation a moment later
+            again = served.stub.ListAndWatch(api_pb2.Empty())
+            try:
+                assert len(next(again).devices) == 8
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+                assert attempt < 199, "no stream was freed by the cancellation"
+        for s in [*streams[1:], again]:
+            s.cancel()
+
+
+def test_preferred_allocation_keeps_to_one_numa_node_and_honours_must_include() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        assert preferred(served, ids, 4) == ids[:4]
+        assert preferred(served, ids, 2, must=[ids[6]]) == [ids[4], ids[6]]
+        assert set(preferred(served, ids, 4, must=[ids[6]])) == set(ids[4:])
+        # Repeated IDs count once.
+        assert set(preferred(served, [ids[0], ids[0], ids[1]], 2)) == {ids[0], ids[1]}
+
+
+def test_preferred_allocation_refuses_what_cannot_be_chosen() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        assert refused_preference(served, ids[:2], 3) == (
+            bad, "cannot choose 3 device(s) of nvidia.com/gpu from 2 available with 0 required")
+        assert refused_preference(served, ids[:2], 0) == (
+            bad, "cannot choose 0 device(s) of nvidia.com/gpu from 2 available with 0 required")
+        assert refused_preference(served, ids[:4], 1, must=ids[:2]) == (
+            bad, "cannot choose 1 device(s) of nvidia.com/gpu from 4 available with 2 required")
+        assert refused_preference(served, ids[:2], 1, must=[ids[3]]) == (
+            bad, f"must-include device {ids[3]} of nvidia.com/gpu is not among the available devices")
+        assert refused_preference(served, [*ids[:2], "GPU-nope"], 1) == (
+            bad, "unknown device ID 'GPU-nope' for resource nvidia.com/gpu")
+        assert refused_preference(served, ids[:2], 1, must=["GPU-nope"]) == (
+            bad, "unknown device ID 'GPU-nope' for resource nvidia.com/gpu")
+        # Exactly as many as there are, and all of them required, is fine.
+        assert preferred(served, ids[:2], 2, must=ids[:2]) == ids[:2]
+
+
+async def test_preferred_allocation_offers_unhealthy_devices_the_kubelet_lists() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        await served.bus.update(health={ids[1]: DeviceHealth(False, "XID 48")})
+        assert preferred(served, ids[:2], 2) == ids[:2]
+
+
+def test_ids_longer_than_63_characters_are_refused_by_length() -> None:
+    long_id = "G" * 64
+    with serving(node()) as served:
+        assert refused_allocate(served, [long_id]) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "device ID 'GGGGGGGGGGGGGGGGGGGG'... is 64 characters; IDs have at most 63")
+        assert refused_preference(served, [long_id], 1)[1] == (
+            "device ID 'GGGGGGGGGGGGGGGGGGGG'... is 64 characters; IDs have at most 63")
+        # 63 characters is the longest ID there is: unknown, not too long.
+        assert refused_allocate(served, ["G" * 63])[1] == f"unknown device ID '{'G' * 63}' for resource nvidia.com/gpu"
+
+
+def test_allocate_answers_each_container_and_counts_the_devices() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        response = allocate(served, [ids[3], ids[1]], [ids[6], ids[6]])
+        assert [dict(r.envs) for r in response.container_responses] == [
+            {"NVIDIA_VISIBLE_DEVICES": f"{ids[3]},{ids[1]}"},
+            {"NVIDIA_VISIBLE_DEVICES": ids[6]},
+        ]
+        assert counter(served.metrics, "gpu_agent_allocations_total") == 3.0
+        assert counter(served.metrics, "gpu_agent_allocate_errors_total") is None
+
+
+async def test_allocate_refuses_empty_unknown_and_unhealthy_and_counts_refusals() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        await served.bus.update(health={ids[2]: DeviceHealth(False, "XID 48"), ids[4]: DeviceHealth(False)})
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        assert refused_allocate(served, [ids[0]], []) == (bad, "allocate request for nvidia.com/gpu names no devices")
+        assert refused_allocate(served, [ids[0], "GPU-x"]) == (
+            bad, "unknown device ID 'GPU-x' for resource nvidia.com/gpu")
+        assert refused_allocate(served, [ids[2]]) == (
+            bad, f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
+        assert refused_allocate(served, [ids[4]]) == (bad, f"device {ids[4]} of resource nvidia.com/gpu is unhealthy")
+        assert counter(served.metrics, "gpu_agent_allocate_errors_total") == 4.0
+
+
+def test_shared_resource_with_fail_requests_greater_than_one() -> None:
+    config = ("version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    failRequestsGreaterThanOne: true\n"
+              "    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n")
+    with serving(node(config=config), resource="nvidia.com/gpu.shared") as served:
+        first = served.ids[0]
+        assert refused_allocate(served, [f"{first}::0", f"{first}::1"]) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid request: maximum request size for shared resource nvidia.com/gpu.shared is 1; found 2")
+        (container,) = allocate(served, [f"{first}::1"]).container_responses
+        assert dict(container.envs)["NVIDIA_VISIBLE_DEVICES"] == first
+
+
+def test_shared_resource_without_the_flag_takes_two_replicas() -> None:
+    config = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n"
+    with serving(node(config=config)) as served:
+        first, second = served.ids[:2]
+        (container,) = allocate(served, [f"{first}::0", f"{second}::1"]).container_responses
+        assert dict(container.envs)["NVIDIA_VISIBLE_DEVICES"] == f"{first},{second}"
