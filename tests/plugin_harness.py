@@ -75,6 +75,12 @@ class Rig:
         view = self.kubelet.plugins.get(resource)
         return [d.health for d in view.devices] if view else []
 
+    @property
+    def metrics_port(self) -> int:
+        """The port of the agent's HTTP endpoint (started with `metrics_port`)."""
+        assert self.agent.http is not None, "the agent was started without a metrics port"
+        return self.agent.http.port
+
     def uuid(self, index: int) -> str:
         return self.agent.bus.current.inventory.gpus[index].uuid
 

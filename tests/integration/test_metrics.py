@@ -34,7 +34,7 @@ FAST_SAMPLES = parse_config("version: v1\nhealth: {sampleIntervalSeconds: 0.1, r
 
 async def test_metrics_reflect_health_xids_and_allocations() -> None:
     async with running_agent("dgx-h100", FAST_SAMPLES, metrics_port=0) as rig:
-        port = rig.agent.http.port  # type: ignore[union-attr]
+        port = rig.metrics_port
         ids = [d.ID for d in rig.devices()]
         await rig.stub().Allocate(api_pb2.AllocateRequest(
             container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids[:2])]))
@@ -71,7 +71,7 @@ async def test_metrics_reflect_health_xids_and_allocations() -> None:
 
 async def test_readyz_is_false_until_registered() -> None:
     async with running_agent("single-h200", kubelet_first=False, metrics_port=0) as rig:
-        port = rig.agent.http.port  # type: ignore[union-attr]
+        port = rig.metrics_port
         assert await get(port, "/readyz") == (503, "not registered with the kubelet\n")
         await rig.kubelet.start()
         await rig.kubelet.wait_for({"nvidia.com/gpu"}, 5)
