@@ -791,3 +791,140 @@ def test_helm_template_output_applies_to_the_api_server(
         assert time.monotonic() < deadline, f"the admission policy never took effect: {refused.stderr}"
         time.sleep(0.2)
     assert refused.stderr == f'Error from server (Forbidden): nodes "{NODE}" is forbidden: {denial}\n'
+
+
+# --- DRA mode (dra.enabled) ---------------------------------------------------------------------------------------
+
+DRA_OVERLAY = REPO / "deployments" / "dra-overlay"
+DRA_VALUES = {"dra": {"enabled": True}, "config": {"file": {"dra": {"enabled": True}}}}
+"""The chart's objects of DRA mode, and every node's agent in DRA mode: what deployments/dra-overlay applies."""
+DEVICE_CLASSES = [doc["metadata"]["name"] for doc in yaml.safe_load_all(
+    (REPO / "deployments" / "dra" / "deviceclass.yaml").read_text()) if doc]
+DRA_OBJECTS = [
+    ("ClusterRole", None, "gpu-node-agent-dra"),
+    ("ClusterRoleBinding", None, "gpu-node-agent-dra"),
+    ("ValidatingAdmissionPolicy", None, "gpu-node-agent-own-resourceslices"),
+    ("ValidatingAdmissionPolicyBinding", None, "gpu-node-agent-own-resourceslices"),
+    *[("DeviceClass", None, name) for name in DEVICE_CLASSES],
+]
+
+
+def test_lint_is_clean_with_dra_enabled(helm: Helm) -> None:
+    result = helm("lint", "--strict", str(CHART), "-f", "-", stdin=json.dumps(DRA_VALUES))
+    assert (result.returncode, result.stdout, result.stderr) == (0, LINT_CLEAN, "")
+
+
+def test_dra_enabled_renders_the_dra_overlay(helm: Helm) -> None:
+    chart = helm.render(DRA_VALUES)
+    overlay = [doc for doc in yaml.safe_load_all(ok(kubectl("kustomize", str(DRA_OVERLAY)))) if doc]
+    assert sorted(map(identity, chart), key=str) == sorted(RENDERED + DRA_OBJECTS, key=str)
+    for doc in chart:
+        labels = doc["metadata"]["labels"]
+        added = {key: labels.pop(key) for key in HELM_LABELS if key in labels}
+        assert added == HELM_LABELS, identity(doc)
+    expected = by_identity(overlay)
+    assert by_identity(chart).keys() == expected.keys()
+    for key, doc in by_identity(chart).items():
+        assert doc == expected[key], key
+    # What DRA mode adds to the DaemonSet: three mounts, each at its path on the node.
+    host_paths = {v["name"]: v["hostPath"] for v in pod_spec(chart)["volumes"] if "hostPath" in v}
+    assert {name: (mounts(chart)[name], host_paths[name]) for name in ("plugins-registry", "dra-plugin", "cdi")} == {
+        "plugins-registry": ("/var/lib/kubelet/plugins_registry",
+                             {"path": "/var/lib/kubelet/plugins_registry", "type": "Directory"}),
+        "dra-plugin": ("/var/lib/kubelet/plugins/gpu.gpu-node-agent.io",
+                       {"path": "/var/lib/kubelet/plugins/gpu.gpu-node-agent.io", "type": "DirectoryOrCreate"}),
+        "cdi": ("/var/run/cdi", {"path": "/var/run/cdi", "type": "DirectoryOrCreate"}),
+    }  # fmt: skip
+    assert config_map(chart, "gpu-node-agent-config") == {
+        "config.yaml": "version: v1\ndra:\n  enabled: true\nmig:\n  layoutsFile: /etc/gpu-agent/mig-layouts.yaml\n"
+    }
+
+
+def test_dra_enabled_alone_leaves_the_agents_config_to_the_nodes(helm: Helm, tmp_path: Path) -> None:
+    # Node by node: the objects and mounts for every node, DRA mode only where the node's named config says so.
+    values = {"dra": {"enabled": True}, "config": {"map": {
+        "default": {"version": "v1"}, "dra": {"version": "v1", "dra": {"enabled": True}}}}}
+    docs = helm.render(values)
+    assert set(DRA_OBJECTS) <= set(map(identity, docs))
+    configs = write_configs(config_map(docs, "gpu-node-agent-config"), tmp_path / "configs")
+    assert load_config(configs).dra.enabled is False
+    assert load_config(configs, "dra").dra.enabled is True
+    assert "dra" not in yaml.safe_load(config_map(helm.render({"dra": {"enabled": True}}),
+                                                  "gpu-node-agent-config")["config.yaml"])
+
+
+@pytest.mark.parametrize("name", ["validatingadmissionpolicy.yaml", "deviceclass.yaml"])
+def test_the_dra_objects_are_deployments_dra_s(name: str) -> None:
+    # After a change to deployments/dra/<name>, from deployments/: cp dra/<name> helm/gpu-node-agent/files/dra-<name>
+    chart_copy = CHART / "files" / f"dra-{name}"
+    assert chart_copy.read_text() == (REPO / "deployments" / "dra" / name).read_text()
+    assert DEVICE_CLASSES[:2] == ["gpu.gpu-node-agent.io", "mig.gpu-node-agent.io"]
+
+
+def test_dra_with_another_kubelet_root_dir_is_refused(helm: Helm) -> None:
+    result = helm("template", RELEASE, str(CHART), "--set", "dra.enabled=true",
+                  "--set", "kubeletRootDir=/var/lib/k0s/kubelet")  # fmt: skip
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        "Error: execution error at (gpu-node-agent/templates/dra-rbac.yaml:3:4): dra.enabled: the agent gives the "
+        "kubelet its DRA socket by its path in the container, /var/lib/kubelet/plugins/...; with kubeletRootDir "
+        "/var/lib/k0s/kubelet the kubelet would not find it\n\nUse --debug flag to render out invalid YAML\n"
+    )
+
+
+def test_dra_objects_apply_to_the_api_server_and_hold_the_agent_to_its_nodes_slices(
+    helm: Helm, rig: ApiServer, admin: User, tmp_path: Path
+) -> None:
+    values = DRA_VALUES | {"namespaceOverride": "gpu-dra"}
+    result = helm("template", "dra", str(CHART), "-f", "-", stdin=json.dumps(values))
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    applied = admin("apply", "--server-side", "-f", "-", stdin=result.stdout)
+    assert (applied.returncode, applied.stderr) == (0, ""), applied.stderr
+    lines = applied.stdout.splitlines()
+    for name in ("clusterrole.rbac.authorization.k8s.io/dra-gpu-node-agent-dra",
+                 "clusterrolebinding.rbac.authorization.k8s.io/dra-gpu-node-agent-dra",
+                 "validatingadmissionpolicy.admissionregistration.k8s.io/dra-gpu-node-agent-own-resourceslices",
+                 "validatingadmissionpolicybinding.admissionregistration.k8s.io/dra-gpu-node-agent-own-resourceslices",
+                 *[f"deviceclass.resource.k8s.io/{name}" for name in DEVICE_CLASSES],
+                 "daemonset.apps/dra-gpu-node-agent"):  # fmt: skip
+        assert f"{name} serverside-applied" in lines, applied.stdout
+
+    # The release's ServiceAccount with a token bound to a pod on NODE, as the kubelet mounts it.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dra-probe", "namespace": "gpu-dra"},
+           "spec": {"nodeName": NODE, "serviceAccountName": "dra-gpu-node-agent",
+                    "containers": [{"name": "agent", "image": "gpu-node-agent:test"}]}}  # fmt: skip
+    ok(admin("apply", "--server-side", "-f", "-", stdin=json.dumps(pod)))
+    token = ok(admin("create", "token", "dra-gpu-node-agent", "-n", "gpu-dra", "--bound-object-kind=Pod",
+                     "--bound-object-name=dra-probe", "--duration=1h")).strip()  # fmt: skip
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "rig",
+        "clusters": [{"name": "rig", "cluster": {"server": rig.url, "certificate-authority": str(rig.ca_path)}}],
+        "users": [{"name": "agent", "user": {"token": token}}],
+        "contexts": [{"name": "rig", "context": {"cluster": "rig", "user": "agent"}}],
+    }))  # fmt: skip
+    agent = User(kubeconfig, tmp_path / "cache")
+
+    def a_slice(node: str, driver: str = "gpu.gpu-node-agent.io") -> str:
+        return json.dumps({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                           "metadata": {"name": f"probe-{node}"},
+                           "spec": {"driver": driver, "nodeName": node,
+                                    "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}})  # fmt: skip
+
+    denial = ("ValidatingAdmissionPolicy 'dra-gpu-node-agent-own-resourceslices' with binding "
+              "'dra-gpu-node-agent-own-resourceslices' denied request: ")  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:  # a new policy takes effect a moment after it is created
+        other = agent("create", "--dry-run=server", "-f", "-", stdin=a_slice(OTHER_NODE))
+        if other.returncode != 0 and denial in other.stderr:
+            break
+        assert time.monotonic() < deadline, f"the admission policy never took effect: {other.stderr}"
+        time.sleep(0.2)
+    assert other.stderr.endswith(f"{denial}the GPU agent writes only the ResourceSlices of its own node ({NODE})\n")
+    foreign = agent("create", "--dry-run=server", "-f", "-", stdin=a_slice(NODE, "other.example.com"))
+    assert foreign.stderr.endswith(f"{denial}the GPU agent writes only ResourceSlices of its driver "
+                                   "gpu.gpu-node-agent.io\n"), foreign.stderr  # fmt: skip
+    own = agent("create", "--dry-run=server", "-f", "-", stdin=a_slice(NODE))
+    assert (own.returncode, own.stdout, own.stderr) == (0, f"resourceslice.resource.k8s.io/probe-{NODE} created "
+                                                           "(server dry run)\n", "")  # fmt: skip
+    assert ok(agent("auth", "can-i", "get", "resourceclaims.resource.k8s.io", "-n", "default")) == "yes\n"

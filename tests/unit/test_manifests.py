@@ -477,3 +477,65 @@ def test_config_map_holds_a_valid_config_and_the_shipped_layouts() -> None:
     layouts = layouts_data["mig-layouts.yaml"]
     assert layouts == default_layouts_text()
     assert "all-1g.10gb" in parse_layouts(layouts, "configmap").names()
+
+
+# --- DRA mode: the Component deployments/dra/mode and the overlay deployments/dra-overlay -------------------------
+
+DRA_MODE = BASE.parent / "deployments" / "dra" / "mode"
+DRA_OVERLAY = BASE.parent / "deployments" / "dra-overlay"
+
+
+def dra_patch() -> list[dict[str, Any]]:
+    ops: list[dict[str, Any]] = yaml.safe_load((DRA_MODE / "daemonset-mounts.yaml").read_text())
+    return ops
+
+
+def test_dra_mode_component_patches_the_daemonset_and_the_config() -> None:
+    component = yaml.safe_load((DRA_MODE / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    assert component["patches"] == [
+        {"target": {"kind": "DaemonSet", "name": "gpu-node-agent"}, "path": "daemonset-mounts.yaml"},
+        {"path": "configmap-config.yaml"},
+    ]
+    overlay = yaml.safe_load((DRA_OVERLAY / "kustomization.yaml").read_text())
+    assert (overlay["resources"], overlay["components"]) == (["../../daemonset", "../dra"], ["../dra/mode"])
+
+
+def test_dra_mode_adds_only_appended_mounts_each_at_its_host_path() -> None:
+    ops = dra_patch()
+    assert {op["op"] for op in ops} == {"add"}
+    mounts = {op["value"]["name"]: op["value"] for op in ops
+              if op["path"] == "/spec/template/spec/containers/0/volumeMounts/-"}
+    volumes = {op["value"]["name"]: op["value"] for op in ops if op["path"] == "/spec/template/spec/volumes/-"}
+    assert len(mounts) + len(volumes) == len(ops)
+    assert {name: (v["hostPath"]["path"], v["hostPath"]["type"]) for name, v in volumes.items()} == {
+        "plugins-registry": ("/var/lib/kubelet/plugins_registry", "Directory"),
+        "dra-plugin": ("/var/lib/kubelet/plugins/gpu.gpu-node-agent.io", "DirectoryOrCreate"),
+        "cdi": ("/var/run/cdi", "DirectoryOrCreate"),
+    }
+    # Read-write, and where they are on the node: the kubelet dials the socket path the agent names.
+    assert mounts == {
+        name: {"name": name, "mountPath": v["hostPath"]["path"]} for name, v in volumes.items()}
+    assert not set(volumes) & {v["name"] for v in pod_spec()["volumes"]}
+
+
+def test_dra_mode_mounts_are_where_the_agent_puts_its_sockets_and_cdi_specs() -> None:
+    from agent.config import DraSettings
+    from agent.dra.plugin import Paths
+
+    args = container()["args"]
+    kubelet_root = Path(args[args.index("--kubelet-dir") + 1]).parent
+    dra = parse_config(yaml.safe_load(
+        (DRA_MODE / "configmap-config.yaml").read_text())["data"]["config.yaml"]).dra
+    assert dra == DraSettings(enabled=True)
+    paths = Paths.under(kubelet_root, dra.driver_name, dra.cdi_root)
+    mounted = {op["value"]["mountPath"] for op in dra_patch() if "mountPath" in op["value"]}
+    assert {str(paths.registration.parent), str(paths.endpoint.parent), str(paths.checkpoint.parent),
+            str(paths.cdi_dir)} == mounted
+
+
+def test_dra_mode_config_is_the_base_config_with_dra_enabled() -> None:
+    base = yaml.safe_load(one("ConfigMap", "gpu-node-agent-config")["data"]["config.yaml"])
+    mode = yaml.safe_load((DRA_MODE / "configmap-config.yaml").read_text())
+    assert mode["metadata"] == {"name": "gpu-node-agent-config", "namespace": NAMESPACE}
+    assert yaml.safe_load(mode["data"]["config.yaml"]) == base | {"dra": {"enabled": True}}
