@@ -113,6 +113,18 @@ def numa_pairs(node: dict[str, Any]) -> str:
     return ",".join(f"{uuid}={n}" for uuid, n in pairs.items())
 
 
+def device_nodes(node: dict[str, Any]) -> str:
+    """-expect-dev for every GPU and MIG device: a MIG device's node is its GPU's, /dev/nvidia<minor>."""
+    minor = {g["index"]: g["minor"] for g in node["gpus"]}
+    pairs = {g["uuid"]: g["minor"] for g in node["gpus"]} | {m["uuid"]: minor[m["gpu"]] for m in node["mig_devices"]}
+    return ",".join(f"{uuid}=/dev/nvidia{n}" for uuid, n in pairs.items())
+
+
+# The allocation checks with -expect-dev: allocate-devices follows allocate-env.
+DEVICE_CHECKS = [*ALLOCATION_CHECKS[:7], "allocate-devices", *ALLOCATION_CHECKS[7:]]
+PASS_DEVICE_SPECS = "  plugin:\n    passDeviceSpecs: true\n"
+
+
 def apply_mig_layout(tmp_path: Path, layout: str, layouts_file: Path | None = None) -> Path:
     """A mock state with the layout applied, as `gpu-agent mig apply` leaves it."""
     state = tmp_path / "mock-state.json"
@@ -176,13 +188,14 @@ def test_harness_fails_a_stand_in_that_breaks_the_contract(
 def test_agent_mig_devices_reach_the_kubelet(kubelet_harness: HarnessBinaries, tmp_path: Path) -> None:
     state = apply_mig_layout(tmp_path, "all-1g.10gb")
     node = inspect(state)
-    agent = agent_command("--mock-state", str(state), "--config", str(write_config(tmp_path, MIXED)))
+    config = write_config(tmp_path, MIXED + PASS_DEVICE_SPECS)
+    agent = agent_command("--mock-state", str(state), "--config", str(config))
     code, verdicts, output = run_harness(
         kubelet_harness.harness, "-scenario", "mig",
         "-resources", f"nvidia.com/mig-1g.10gb={GPUS * MIG_1G_PER_GPU}:1",
-        "-expect-numa", numa_pairs(node), "--", *agent,
+        "-expect-numa", numa_pairs(node), "-expect-dev", device_nodes(node), "--", *agent,
     )
-    assert verdicts == dict.fromkeys(ALLOCATION_CHECKS, "PASS"), output
+    assert verdicts == dict.fromkeys(DEVICE_CHECKS, "PASS"), output
     assert code == 0, output
     assert "PASS capacity: nvidia.com/mig-1g.10gb capacity=56 allocatable=56" in output
 
@@ -253,19 +266,23 @@ def test_one_container_with_three_resources_gets_one_visible_devices_list(
 def test_agent_time_sliced_replicas_reach_the_kubelet(kubelet_harness: HarnessBinaries, tmp_path: Path) -> None:
     config = write_config(tmp_path, """\
 version: v1
+flags:
+  plugin:
+    passDeviceSpecs: true
 sharing:
   allocationPolicy: packed
   timeSlicing:
     resources:
       - {name: nvidia.com/gpu, replicas: 4}
 """)
-    # Packed: the 2 replicas come from one GPU, whose UUID the container gets once.
+    # Packed: the 2 replicas come from one GPU, whose UUID and device node the container gets once.
+    node = inspect()
     code, verdicts, output = run_harness(
         kubelet_harness.harness, "-scenario", "replicas", "-resources", f"nvidia.com/gpu={GPUS * 4}:2",
-        "-replicas", "4", "-replica-gpus", "1", "-expect-numa", numa_pairs(inspect()),
+        "-replicas", "4", "-replica-gpus", "1", "-expect-numa", numa_pairs(node), "-expect-dev", device_nodes(node),
         "--", *agent_command("--config", str(config)),
     )
-    assert verdicts == dict.fromkeys(ALLOCATION_CHECKS, "PASS"), output
+    assert verdicts == dict.fromkeys(DEVICE_CHECKS, "PASS"), output
     assert code == 0, output
 
 
@@ -341,9 +358,11 @@ def test_scenarios_fail_a_stand_in_that_breaks_the_contract(
          "kubelet-harness: -one-container is for -scenario multi"),
         (["-scenario", "mig", "-device-list", "volume-mounts", "--", "true"],
          'kubelet-harness: -device-list: "volume-mounts" is neither envvar nor cdi-cri'),
+        (["-scenario", "mig", "-expect-dev", "MIG-x=/dev/sda", "--", "true"],
+         'kubelet-harness: -expect-dev: "MIG-x=/dev/sda" is not ID=/dev/nvidiaN'),
     ],
     ids=["unknown-scenario", "health-without-inject", "bad-resources", "no-plugin", "one-container-not-multi",
-         "bad-device-list"],
+         "bad-device-list", "bad-expect-dev"],
 )
 def test_harness_refuses_bad_scenario_flags_in_one_line(
     kubelet_harness: HarnessBinaries, args: list[str], message: str

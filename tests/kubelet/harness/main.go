@@ -86,6 +86,7 @@ type options struct {
 	healthWithin time.Duration
 	oneContainer bool
 	deviceList   string
+	expectDev    map[string]string
 }
 
 func main() {
@@ -158,10 +159,22 @@ func parseFlags() (*options, error) {
 	flag.StringVar(&o.unhealthy, "unhealthy", "", "-scenario health: ID of the device -inject makes unhealthy")
 	flag.DurationVar(&o.healthWithin, "health-within", 15*time.Second,
 		"-scenario health: limit for each health change to reach the manager")
+	expectDev := flag.String("expect-dev", "", "-scenario mig, multi, replicas: the GPU device node the runtime "+
+		"must get for each device, as ID=/dev/nvidiaN,... (adds the check allocate-devices)")
 	flag.BoolVar(&o.oneContainer, "one-container", false, "-scenario multi: ask for every resource in one container")
 	flag.StringVar(&o.deviceList, "device-list", "envvar", "-scenario mig, multi, replicas: how Allocate names "+
 		"the devices, envvar (NVIDIA_VISIBLE_DEVICES) or cdi-cri (CDI devices nvidia.com/gpu=ID)")
 	flag.Parse()
+	if *expectDev != "" {
+		o.expectDev = map[string]string{}
+		for _, pair := range strings.Split(*expectDev, ",") {
+			id, node, ok := strings.Cut(pair, "=")
+			if !ok || !gpuDeviceNode.MatchString(node) {
+				return nil, fmt.Errorf("-expect-dev: %q is not ID=/dev/nvidiaN", pair)
+			}
+			o.expectDev[id] = node
+		}
+	}
 	if err := o.scenarioFlags(*resources); err != nil {
 		return nil, err
 	}

@@ -68,8 +68,12 @@ var scenarios = map[string]scenario{
 // allocate-cdi takes the place of allocate-env.
 func (o *options) scenarioChecks() []string {
 	checks := slices.Clone(scenarios[o.scenario].checks)
-	if o.deviceList == "cdi-cri" {
-		checks[slices.Index(checks, "allocate-env")] = "allocate-cdi"
+	at := slices.Index(checks, "allocate-env")
+	if at >= 0 && o.deviceList == "cdi-cri" {
+		checks[at] = "allocate-cdi"
+	}
+	if at >= 0 && o.expectDev != nil {
+		checks = slices.Insert(checks, at+1, "allocate-devices")
 	}
 	return checks
 }
@@ -90,6 +94,8 @@ func scenarioNames() []string {
 var (
 	migUUID   = regexp.MustCompile(`^MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
 	replicaID = regexp.MustCompile(`^(GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})::([0-9]+)$`)
+	// A GPU's own device node; the control and capability nodes are others.
+	gpuDeviceNode = regexp.MustCompile(`^/dev/nvidia[0-9]+$`)
 )
 
 // scenarioFlags checks the flags that belong to the scenarios and fills in
@@ -127,8 +133,8 @@ func (o *options) scenarioFlags(text string) error {
 	if o.deviceList != "envvar" && o.deviceList != "cdi-cri" {
 		return fmt.Errorf("-device-list: %q is neither envvar nor cdi-cri", o.deviceList)
 	}
-	if o.deviceList != "envvar" && o.scenario == "health" {
-		return fmt.Errorf("-device-list is for the scenarios that allocate: mig, multi, replicas")
+	if (o.deviceList != "envvar" || o.expectDev != nil) && o.scenario == "health" {
+		return fmt.Errorf("-device-list and -expect-dev are for the scenarios that allocate: mig, multi, replicas")
 	}
 	minRequest := 1
 	switch o.scenario {
@@ -561,6 +567,9 @@ func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*plu
 	if len(allocProblems) > 0 {
 		r.fail("allocate", "%s", strings.Join(allocProblems, "; "))
 		r.fail(handed, "not checked: allocation failed")
+		if o.expectDev != nil {
+			r.fail("allocate-devices", "not checked: allocation failed")
+		}
 		return
 	}
 	r.pass("allocate", "%s", strings.Join(allocDetail, "; "))
@@ -598,9 +607,88 @@ func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*plu
 	}
 	if len(problems) > 0 {
 		r.fail(handed, "%s", strings.Join(problems, "; "))
+	} else {
+		r.pass(handed, "%s", strings.Join(detail, "; "))
+	}
+	if o.expectDev != nil {
+		h.checkDeviceNodes(k, granted, calls)
+	}
+}
+
+// checkDeviceNodes: each response passes the GPU device nodes of its devices
+// (a MIG device's or a replica's: its GPU's), each once, and the manager
+// hands each container the nodes of all its resources. Other nodes (control,
+// capability) are not judged here.
+func (h *harness) checkDeviceNodes(k *kubelet, granted [][]string, calls []allocateCall) {
+	o, r := h.opts, h.report
+	want := func(ids []string) ([]string, error) {
+		var nodes []string
+		for _, id := range ids {
+			node, ok := o.expectDev[id]
+			if !ok {
+				node, ok = o.expectDev[gpuOf(id)]
+			}
+			if !ok {
+				return nil, fmt.Errorf("-expect-dev names no device node for %s", id)
+			}
+			nodes = append(nodes, node)
+		}
+		slices.Sort(nodes)
+		return slices.Compact(nodes), nil
+	}
+	gpuNodes := func(paths []string) []string {
+		var out []string
+		for _, p := range paths {
+			if gpuDeviceNode.MatchString(p) {
+				out = append(out, p)
+			}
+		}
+		slices.Sort(out)
+		return out
+	}
+	var problems, detail []string
+	perContainer := map[string][]string{}
+	for i, res := range o.resources {
+		nodes, err := want(granted[i])
+		if err != nil {
+			problems = append(problems, err.Error())
+			continue
+		}
+		var answered []string
+		for _, d := range calls[i].resp.ContainerResponses[0].Devices {
+			answered = append(answered, d.ContainerPath)
+		}
+		if got := gpuNodes(answered); !slices.Equal(got, nodes) {
+			problems = append(problems, fmt.Sprintf("%s: allocate response passes GPU device nodes %v, want %v",
+				res.name, got, nodes))
+			continue
+		}
+		name := h.containerOf(i).Name
+		perContainer[name] = append(perContainer[name], nodes...)
+		detail = append(detail, fmt.Sprintf("%s: %s", res.name, strings.Join(nodes, ",")))
+	}
+	for i := range h.pod.Spec.Containers {
+		c := &h.pod.Spec.Containers[i]
+		runOpts, err := k.manager.GetDeviceRunContainerOptions(h.pod, c)
+		if err != nil {
+			problems = append(problems, fmt.Sprintf("the manager has no run options for container %s: %v", c.Name, err))
+			continue
+		}
+		var handed []string
+		for _, d := range runOpts.Devices {
+			handed = append(handed, d.PathInContainer)
+		}
+		nodes := slices.Compact(sorted(perContainer[c.Name]))
+		if got := gpuNodes(handed); !slices.Equal(got, nodes) {
+			problems = append(problems, fmt.Sprintf("the runtime would get GPU device nodes %v for container %s, "+
+				"want %v", got, c.Name, nodes))
+		}
+	}
+	if len(problems) > 0 {
+		r.fail("allocate-devices", "%s", strings.Join(problems, "; "))
 		return
 	}
-	r.pass(handed, "%s", strings.Join(detail, "; "))
+	r.pass("allocate-devices", "%s", strings.Join(detail, "; "))
 }
 
 // checkContainerCDI checks the CDI devices in the answer for one resource
