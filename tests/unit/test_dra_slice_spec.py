@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from agent.inventory import plan
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
-from agent.state import DeviceHealth, NodeState
+from agent.state import DeviceHealth, NodeState, StateBus
 from tests.plugin_harness import carve_mig
 
 DRIVER = "gpu.gpu-node-agent.io"
@@ -315,3 +316,39 @@ def test_in_dra_mode_the_device_plugin_leaves_whole_gpus_and_their_replicas_unde
     assert sorted(resources) == ["example.com/shared-gpu", "nvidia.com/mig-1g.10gb"]
     assert plugin_resources(resources, dra=True) == {"nvidia.com/mig-1g.10gb"}
     assert plugin_resources(resources, dra=False) == {"example.com/shared-gpu", "nvidia.com/mig-1g.10gb"}
+
+
+class NoClaims:
+    async def claim(self, namespace: str, name: str) -> None:
+        return None
+
+
+async def test_the_health_stream_has_prepared_devices_the_node_lost_as_unknown_and_repeats_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.dra import plugin as dra_plugin
+    from agent.dra.health_v1alpha1 import api_pb2 as health
+
+    monkeypatch.setattr(dra_plugin, "HEALTH_RESEND_S", 0.2)
+    state = node("dgx-h100", mig={7: [("3g.40gb", 0)]})
+    (mig,) = state.inventory.mig_devices
+    name = f"gpu-7-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"
+    bus = StateBus(state)
+    plugin = dra_plugin.DraKubeletPlugin(dra_plugin.Paths.under(tmp_path, DRIVER, tmp_path / "cdi"), DRIVER, "n",
+                                         bus, NoClaims(), [], Path("/"), lambda: None)
+    plugin.store.put("u1", "ns", "c", [dra_plugin.Prepared(("mig",), "n", name, ())], {})
+    stream = plugin.watch_health()
+
+    async def report() -> list[tuple[str, str, int]]:
+        answer = await asyncio.wait_for(anext(stream), 5)
+        return [(d.device.pool_name, d.device.device_name, d.health) for d in answer.devices]
+
+    whole = [("n", f"gpu-{i}", health.HEALTHY) for i in range(7)]
+    assert await report() == [*whole, ("n", name, health.HEALTHY)]
+    # The layout is replaced while the claim is prepared: its MIG device is gone from the node.
+    await bus.update(inventory=dataclasses.replace(state.inventory, mig_devices=()))
+    lost = await report()
+    assert lost == [*whole, ("n", name, health.UNKNOWN)]
+    assert await report() == lost  # nothing changed: the list again, for the kubelet's health timeout
+    plugin.unprepare("u1")
+    assert await report() == whole
+    await stream.aclose()
