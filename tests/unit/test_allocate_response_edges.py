@@ -79,3 +79,11 @@ def test_cdi_with_envvar_still_passes_device_specs() -> None:
     response, _ = respond("flags:\n  plugin:\n    deviceListStrategy: [cdi-cri, envvar]\n    passDeviceSpecs: true\n",
                           picks=(3,), files=NodeFiles())
     assert [d.container_path for d in response.devices] == ["/dev/nvidia3"]
+
+
+def test_volume_mounts_name_the_imex_channel_too() -> None:
+    response, state = respond("flags:\n  plugin:\n    deviceListStrategy: volume-mounts\nimex:\n  channelIDs: [0]\n",
+                              picks=(2,))
+    assert [m.container_path for m in response.mounts] == [
+        f"/var/run/nvidia-container-devices/{state.inventory.gpus[2].uuid}",
+        "/var/run/nvidia-container-devices/imex/0"]

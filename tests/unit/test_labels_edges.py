@@ -45,3 +45,11 @@ def test_single_strategy_with_some_gpus_not_mig_enabled_is_invalid() -> None:
     labels = node_labels(state, state.config)
     assert gpu_labels(labels) == {"product": "NVIDIA-H100-80GB-HBM3-MIG-INVALID", "count": "0", "replicas": "0",
                                   "sharing-strategy": "", "memory": "0"}
+
+
+def test_a_shared_product_label_is_cut_to_63_characters() -> None:
+    long_name = "NVIDIA " + "X" * 53  # 60 characters: with -SHARED it would be 67
+    state = inventory(dataclasses.replace(gpu(0, 0), name=long_name))
+    product = node_labels(state, parse_config(SHARED))["nvidia.com/gpu.product"]
+    assert product == "NVIDIA-" + "X" * 53 + "-SH"
+    assert len(product) == 63
