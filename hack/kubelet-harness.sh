@@ -5,8 +5,21 @@
 # tests/kubelet/go.mod; with the kube-apiserver build cache warm this takes
 # under a minute, and nothing when the sources have not changed.
 #
-# usage: hack/kubelet-harness.sh
+# With --link-into DIR it also puts the two binaries in DIR (hard links, or
+# copies across file systems) before it lets go of the build lock, so a caller
+# keeps exactly what it built even if another tree sharing .cache/testbin
+# rebuilds them from other sources.
+#
+# usage: hack/kubelet-harness.sh [--link-into DIR]
 set -euo pipefail
+
+link_into=
+case $# in
+0) ;;
+2) [[ $1 == --link-into && -n $2 ]] || { echo "usage: $0 [--link-into DIR]" >&2; exit 2; }
+   link_into=$2 ;;
+*) echo "usage: $0 [--link-into DIR]" >&2; exit 2 ;;
+esac
 
 # shellcheck source=hack/testbin/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/testbin/lib.sh"
@@ -28,5 +41,12 @@ for name in kubelet-harness kubelet-stubplugin; do
         go_build_into "$module" "$name" "$stamp" "$pkg"
     fi
 done
+
+if [[ -n $link_into ]]; then
+    mkdir -p "$link_into"
+    for name in kubelet-harness kubelet-stubplugin; do
+        ln -f "$testbin_dir/$name" "$link_into/$name" 2>/dev/null || cp -f "$testbin_dir/$name" "$link_into/$name"
+    done
+fi
 
 log "ready in $(elapsed "$t_all") s: $testbin_dir/{kubelet-harness,kubelet-stubplugin}"

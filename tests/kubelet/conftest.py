@@ -17,5 +17,5 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def kubelet_harness() -> HarnessBinaries:
-    return build_harness()
+def kubelet_harness(tmp_path_factory: pytest.TempPathFactory) -> HarnessBinaries:
+    return build_harness(tmp_path_factory.mktemp("kubelet-harness"))

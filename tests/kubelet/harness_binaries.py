@@ -19,11 +19,17 @@ class HarnessBinaries:
     stub_plugin: Path
 
 
-def build_harness() -> HarnessBinaries:
-    """Builds the harness and the stand-in plugin if their sources changed; a few milliseconds otherwise."""
+def build_harness(into: Path | None = None) -> HarnessBinaries:
+    """Builds the harness and the stand-in plugin if their sources changed; a few milliseconds otherwise.
+
+    With `into`, the binaries returned are links in that directory, made under the build lock: another
+    checkout sharing the test-binary directory may rebuild it from its own sources while tests run.
+    """
     env = {**os.environ, "TESTBIN_DIR": str(TESTBIN)}
+    link = ["--link-into", str(into)] if into else []
     # Output goes to the terminal: a build with a cold Go cache takes minutes.
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], env=env, stdout=sys.stderr, check=False)
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), *link], env=env, stdout=sys.stderr, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{BUILD_SCRIPT} failed with exit code {result.returncode}")
-    return HarnessBinaries(TESTBIN / "kubelet-harness", TESTBIN / "kubelet-stubplugin")
+    where = into or TESTBIN
+    return HarnessBinaries(where / "kubelet-harness", where / "kubelet-stubplugin")
