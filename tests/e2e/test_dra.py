@@ -198,3 +198,27 @@ def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unpr
     finally:
         cluster.delete_pods("dra-two-gpus")
         cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
+
+
+def test_an_xid_withdraws_the_gpu_from_the_slice_until_it_recovers(dra_node: Cluster) -> None:
+    cluster = dra_node
+
+    def devices() -> tuple[int, list[str]]:
+        spec = the_slice(cluster)["spec"]
+        return spec["pool"]["generation"], sorted(d["name"] for d in spec["devices"])
+
+    generation, names = devices()
+    assert names == [f"gpu-{i}" for i in range(8)]
+    injected = time.monotonic()
+    cluster.fault("xid", "5", "48")  # a double-bit ECC error: the GPU is unhealthy at once
+    def without_gpu5() -> tuple[int, list[str]] | None:
+        now = devices()
+        return now if now[1] == [n for n in names if n != "gpu-5"] else None
+    withdrawn = eventually(without_gpu5, 30, "gpu-5 withdrawn from the slice", interval=0.05)
+    TIMES["DRA: XID 48 injected -> the GPU withdrawn from the slice"] = time.monotonic() - injected
+    assert withdrawn[0] > generation
+    # Healthy again after the health policy's clean samples (recoveryChecks), without a restart.
+    eventually(lambda: devices()[1] == names, 60, "gpu-5 back in the slice")
+    assert devices()[0] > withdrawn[0]
+    eventually(lambda: not [t for t in cluster.node()["spec"].get("taints", [])
+                            if t["key"] == "gpu-node-agent.io/gpu-fault"], 30, "no health taint on the node")
