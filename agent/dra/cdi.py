@@ -29,11 +29,13 @@ def cdi_id(driver: str, name: str) -> str:
 
 def claim_spec(driver: str, claim_uid: str, devices: Sequence[tuple[str, str, Sequence[str]]],
                control_nodes: Sequence[str], dev_root: Path,
-               env: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+               env: Mapping[str, Mapping[str, str]] | None = None, claim_edits: Mapping[str, Any] | None = None
+               ) -> dict[str, Any]:
     """The spec for one claim's devices, given as (device name, GPU or MIG UUID, device nodes): a CDI device
     per device with its device nodes (and the environment `env` gives that device, from the opaque config),
     and one for the claim with the control device nodes and NVIDIA_VISIBLE_DEVICES naming every device of the
-    claim (so that a container given all of the claim's CDI devices sees each once)."""
+    claim (so that a container given all of the claim's CDI devices sees each once), plus `claim_edits` (the
+    environment and mounts of an MPS client)."""
 
     def node(path: str) -> dict[str, str]:
         host = str(dev_root / path.lstrip("/"))
@@ -50,8 +52,11 @@ def claim_spec(driver: str, claim_uid: str, devices: Sequence[tuple[str, str, Se
         {"name": gpu_device_name(claim_uid, name), "containerEdits": edits(name, nodes)} for name, _, nodes in devices
     ]
     visible = ",".join(dict.fromkeys(uuid for _, uuid, _ in devices))  # replicas of one GPU name it once
-    claim_edits: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={visible}"]}
+    extra = claim_edits or {}
+    whole: dict[str, Any] = {"env": [f"NVIDIA_VISIBLE_DEVICES={visible}", *extra.get("env", [])]}
     if control_nodes:
-        claim_edits["deviceNodes"] = [node(p) for p in control_nodes]
-    listed.append({"name": claim_device_name(claim_uid), "containerEdits": claim_edits})
+        whole["deviceNodes"] = [node(p) for p in control_nodes]
+    if extra.get("mounts"):
+        whole["mounts"] = list(extra["mounts"])
+    listed.append({"name": claim_device_name(claim_uid), "containerEdits": whole})
     return {"cdiVersion": CDI_VERSION, "kind": cdi_kind(driver), "devices": listed}

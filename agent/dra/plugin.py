@@ -26,13 +26,14 @@ from typing import Any, Protocol
 
 import grpc
 
+from agent.deviceplugin.response import MPS_CONTAINER_ROOT, mps_log_dir, mps_pipe_dir
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.health_v1alpha1 import api_pb2 as health_pb
 from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.pluginregistration import api_pb2 as reg
 from agent.dra.pluginregistration import api_pb2_grpc as reg_grpc
-from agent.dra.slices import device_gpus, mig_device_name, published_names, replica_name, time_sliced
+from agent.dra.slices import device_gpus, mig_device_name, published_names, replica_name, shared_gpus
 from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
@@ -233,7 +234,8 @@ class DraKubeletPlugin:
         except ConfigProblem as err:
             raise ClaimError(f"{where}: {err}") from None
         listed = [(device, *known[device]) for device in sorted(picked)]
-        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env)
+        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env,
+                          self._mps_edits(where, sorted(picked)))
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
                              (cdi_id(self.driver, gpu_device_name(uid, device)), shared))
@@ -243,6 +245,36 @@ class DraKubeletPlugin:
         log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
         return prepared
 
+    def _mps_edits(self, where: str, devices: list[str]) -> dict[str, Any]:
+        """For a claim of MPS replicas, what its containers need to be one client of the GPU's MPS control
+        daemon (as the device plugin's Allocate gives): the daemon's pipe and log directories and /dev/shm,
+        and the client's share of the threads and the memory. A claim of replicas of two GPUs, or of replicas
+        and other devices, is refused: one client joins one daemon."""
+        state = self._bus.current
+        if state.config.sharing.strategy != "mps":
+            return {}
+        shared = shared_gpus(state)
+        replicas = {replica_name(g, n): g for g in state.inventory.gpus for n in range(shared.get(g.uuid, 0))}
+        chosen = [d for d in devices if d in replicas]
+        if not chosen:
+            return {}
+        gpus = {replicas[d].uuid: replicas[d] for d in chosen}
+        if len(gpus) > 1 or len(chosen) < len(devices):
+            raise ClaimError(f"{where}: MPS replicas of {len(gpus)} GPU(s) and {len(devices) - len(chosen)} other "
+                             "device(s) cannot share one MPS client; ask for replicas of one GPU only")
+        (gpu,) = gpus.values()
+        share = len(chosen)
+        root = state.config.flags.mps_root
+        pipe, logs = MPS_CONTAINER_ROOT / "pipe", MPS_CONTAINER_ROOT / "log"
+        return {
+            "env": [f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_MPS_LOG_DIRECTORY={logs}",
+                    f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 * share // shared[gpu.uuid]}",
+                    f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={gpu.memory_mib * share // shared[gpu.uuid]}M"],
+            "mounts": [{"hostPath": str(host), "containerPath": str(inside), "options": ["rbind", "rw"]}
+                       for host, inside in ((mps_pipe_dir(root, gpu.uuid), pipe), (mps_log_dir(root, gpu.uuid), logs),
+                                            (root / "shm", Path("/dev/shm")))],
+        }
+
     def _devices(self) -> dict[str, tuple[str, list[str]]]:
         """Every device the slice can name, by device name: the UUID to make visible and its device nodes (for a
         time-sliced replica its GPU's; for a MIG device its GPU's and its capability nodes, as NVIDIA's device
@@ -250,7 +282,7 @@ class DraKubeletPlugin:
         state = self._bus.current
         inventory = state.inventory
         known = {f"gpu-{g.index}": (g.uuid, [f"/dev/nvidia{g.minor}"]) for g in inventory.gpus}
-        shared = time_sliced(state)
+        shared = shared_gpus(state)
         for g in inventory.gpus:
             for n in range(shared.get(g.uuid, 0)):
                 known[replica_name(g, n)] = known[f"gpu-{g.index}"]

@@ -4,10 +4,10 @@ One pool per node, one slice in it. Per GPU a device named gpu-<index> with the 
 publishes under the same names (in this driver's domain), the standard PCI attributes, the NUMA node and the
 NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`; per MIG device of a
 MIG-enabled GPU a device named gpu-<index>-mig-<gi>-<ci> with its profile, parent and placement, its GPU's
-model, driver and topology attributes, and its memory and engines; a GPU the time-slicing config shares is
-published as its N replicas, gpu-<index>-replica-<n>. The devices of unhealthy GPUs and of GPUs
-whose MIG layout is changing are left out; where the API server keeps device taints, unhealthy devices stay
-in with a `<driver>/unhealthy` taint instead.
+model, driver and topology attributes, and its memory and engines; a GPU the sharing config shares
+(time-slicing, or MPS once the GPU's daemon is up) is published as its N replicas, gpu-<index>-replica-<n>.
+The devices of unhealthy GPUs and of GPUs whose MIG layout is changing are left out; where the API server
+keeps device taints, unhealthy devices stay in with a `<driver>/unhealthy` taint instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.inventory import GPU_RESOURCE, Resource, plan
+from agent.inventory import GPU_RESOURCE, Resource, mps_shared_gpus, plan
 from agent.nvml.catalog import MODELS
 from agent.state import DeviceHealth, NodeState
 from agent.topology.model import Topology
@@ -180,24 +180,36 @@ def device_name(gpu: GpuInfo) -> str:
 
 
 def replica_name(gpu: GpuInfo, replica: int) -> str:
-    """gpu-<index>-replica-<n>, n from 0: one of the time-sliced shares of a GPU."""
+    """gpu-<index>-replica-<n>, n from 0: one of the shares of a GPU."""
     return f"gpu-{gpu.index}-replica-{replica}"
 
 
-def time_sliced(state: NodeState) -> dict[str, int]:
-    """The whole GPUs the time-slicing config in force shares (sharing.timeSlicing, by the device plugin's
-    rules), by UUID, with their replica counts. MPS sharing is not offered in DRA mode: it shares nothing here."""
-    if state.config.sharing.strategy != "time-slicing":
+def shared_gpus(state: NodeState) -> dict[str, int]:
+    """The whole GPUs the sharing config in force shares (sharing.timeSlicing or sharing.mps, by the device
+    plugin's rules), by UUID, with their replica counts."""
+    strategy = state.config.sharing.strategy
+    if strategy == "mps":
+        return {g.uuid: replicas for g, replicas in mps_shared_gpus(state)}
+    if strategy != "time-slicing":
         return {}
     return {d.gpu_uuid: d.replicas for r in plan(state).resources.values() for d in r.devices
             if d.shared and d.kind == "gpu"}
 
 
+def mps_waiting(state: NodeState) -> set[str]:
+    """The GPUs MPS shares whose control daemon is not up: their replicas would not work yet."""
+    if state.config.sharing.strategy != "mps":
+        return set()
+    return {g.uuid for g, _ in mps_shared_gpus(state) if state.mps.get(g.uuid) != ""}
+
+
 def published_gpus(state: NodeState, taints: bool = False) -> list[GpuInfo]:
-    """The whole GPUs the slice carries: not draining, not MIG-enabled, and healthy unless unhealthy ones are
-    published with a taint (`taints`)."""
+    """The whole GPUs the slice carries (whole or as replicas): not draining, not MIG-enabled, not waiting for
+    their MPS daemon, and healthy unless unhealthy ones are published with a taint (`taints`)."""
+    waiting = mps_waiting(state)
     return [g for g in state.inventory.gpus
-            if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled]
+            if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled
+            and g.uuid not in waiting]
 
 
 def mig_device_name(mig: MigInfo) -> str:
@@ -214,10 +226,10 @@ def published_migs(state: NodeState, taints: bool = False) -> list[tuple[GpuInfo
 
 
 def device_gpus(state: NodeState) -> dict[str, str]:
-    """Every device name the node's inventory has (whole GPUs, their time-sliced replicas and MIG devices),
+    """Every device name the node's inventory has (whole GPUs, their shared replicas and MIG devices),
     with its GPU's UUID."""
     named = {device_name(g): g.uuid for g in state.inventory.gpus}
-    shared = time_sliced(state)
+    shared = shared_gpus(state)
     named.update({replica_name(g, n): g.uuid for g in state.inventory.gpus for n in range(shared.get(g.uuid, 0))})
     by_index = {g.index: g.uuid for g in state.inventory.gpus}
     named.update({mig_device_name(m): by_index[m.parent_index] for m in state.inventory.mig_devices
@@ -227,7 +239,7 @@ def device_gpus(state: NodeState) -> dict[str, str]:
 
 def published_names(state: NodeState) -> list[str]:
     """The names of the devices the slice carries where unhealthy ones stay in (the layout's, not draining)."""
-    shared = time_sliced(state)
+    shared = shared_gpus(state)
     return [*(name for g in published_gpus(state, taints=True)
               for name in ([replica_name(g, n) for n in range(shared[g.uuid])] if g.uuid in shared
                            else [device_name(g)])),
@@ -293,12 +305,13 @@ def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: Pcie
 
 def replica_devices(gpu: GpuInfo, replicas: int, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup
                     ) -> list[dict[str, Any]]:
-    """The time-sliced shares of a GPU: each the GPU's attributes and capacity with `type` shared, `replica`
-    (which share) and `replicas` (how many)."""
+    """The shares of a GPU: each the GPU's attributes and capacity with `type` shared, `sharing` (time-slicing
+    or mps), `replica` (which share) and `replicas` (how many)."""
     whole = gpu_device(gpu, state, cliques, pcie_root)
     listed = []
     for n in range(replicas):
-        attributes = {**whole["attributes"], "type": {"string": "shared"}, "replica": {"int": n},
+        attributes = {**whole["attributes"], "type": {"string": "shared"},
+                      "sharing": {"string": state.config.sharing.strategy}, "replica": {"int": n},
                       "replicas": {"int": replicas}}
         listed.append({"name": replica_name(gpu, n), "attributes": attributes, "capacity": dict(whole["capacity"])})
     return listed
@@ -328,7 +341,7 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
     (the API server keeps device taints: DRADeviceTaints) the devices of unhealthy GPUs stay in the slice
     with a taint; without, they are left out."""
     cliques = nvlink_cliques(topology_of(state.inventory))
-    shared = time_sliced(state)
+    shared = shared_gpus(state)
     devices = [*((g, d) for g in published_gpus(state, taints)
                  for d in (replica_devices(g, shared[g.uuid], state, cliques, pcie_root) if g.uuid in shared
                            else [gpu_device(g, state, cliques, pcie_root)])),
@@ -346,7 +359,7 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
 
 def plugin_resources(names: Iterable[str] | Mapping[str, Resource], dra: bool) -> set[str]:
     """The resources the device plugin serves: in DRA mode whole GPUs are the DRA driver's, not nvidia.com/gpu's,
-    and so are their time-sliced replicas under any name (given the plan's resources, by name)."""
+    and so are their shared replicas (time-sliced or MPS) under any name (given the plan's resources, by name)."""
     if not dra:
         return set(names)
     return {n for n in names if n != GPU_RESOURCE and not (

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -338,3 +339,66 @@ async def test_time_sliced_replicas_go_to_claims_of_two_namespaces_and_each_sees
         await asyncio.to_thread(core.delete_collection_namespaced_pod, OTHER_NAMESPACE, grace_period_seconds=0)
         await asyncio.to_thread(custom.delete_collection_namespaced_custom_object, "resource.k8s.io", "v1",
                                 OTHER_NAMESPACE, "resourceclaims")
+
+
+MPS_STAND_IN = Path(__file__).resolve().parents[1] / "mps" / "nvidia-cuda-mps-control"
+
+
+async def test_mps_replicas_of_one_gpu_make_one_client_and_a_mixed_claim_is_refused(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    driver_root, mps_root = root / "driver", root / "mps"
+    (driver_root / "usr" / "bin").mkdir(parents=True)
+    shutil.copy(MPS_STAND_IN, driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
+    config = (f"flags: {{mpsRoot: {mps_root}, plugin: {{containerDriverRoot: {driver_root}}}}}\n"
+              "sharing: {mps: {resources: [{name: nvidia.com/gpu, replicas: 4, devices: [0]}]}}\n")
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    mps_share = {"deviceClassName": SHARED_CLASS, "selectors": [
+        {"cel": {"expression": f"device.attributes['{DRIVER}'].sharing == 'mps'"}}]}
+    try:
+        async with dra_agent(apiserver, kubeconfig, "dra-mps", "a100-pcie-nvlink-pairs", root=root, config=config):
+
+            async def replicas_published() -> list[str]:
+                while True:
+                    (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-mps")
+                    names = [d["name"] for d in found["spec"]["devices"]]
+                    if "gpu-0-replica-0" in names:
+                        return names
+                    await asyncio.sleep(0.1)
+
+            assert await asyncio.wait_for(replicas_published(), 15) == [
+                *(f"gpu-0-replica-{n}" for n in range(4)), "gpu-1", "gpu-2", "gpu-3"]
+            await asyncio.to_thread(create_claim, apiserver, "mps-two", {"devices": {"requests": [
+                {"name": "share", "exactly": {**mps_share, "count": 2}}]}})
+            await asyncio.to_thread(create_claim, apiserver, "mps-mixed", {"devices": {"requests": [
+                {"name": "share", "exactly": {**mps_share, "count": 1}},
+                {"name": "whole", "exactly": {"deviceClassName": DEVICE_CLASS, "count": 1}}]}})
+            for name in ("mps-two", "mps-mixed"):
+                await asyncio.to_thread(create_pod, apiserver, name, name)
+                await asyncio.to_thread(allocated, apiserver, name)
+            claims = {n: await asyncio.to_thread(claim_of_pod, apiserver, n) for n in ("mps-two", "mps-mixed")}
+            uids = {n: c["metadata"]["uid"] for n, c in claims.items() if c is not None}
+            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+                answer = await v1_grpc.DRAPluginStub(channel).NodePrepareResources(v1.NodePrepareResourcesRequest(
+                    claims=[v1.Claim(namespace=NAMESPACE, uid=uids[n], name=n) for n in uids]), timeout=10)
+            assert answer.claims[uids["mps-two"]].error == ""
+            assert answer.claims[uids["mps-mixed"]].error == (
+                f"claim {NAMESPACE}/mps-mixed: MPS replicas of 1 GPU(s) and 1 other device(s) cannot share one "
+                "MPS client; ask for replicas of one GPU only")
+            uid = uids["mps-two"]
+            spec = json.loads((root / "cdi" / f"{DRIVER}-claim-{uid}.json").read_text())
+            options = ["rbind", "rw"]
+            assert spec["devices"][-1] == {"name": f"claim-{uid}", "containerEdits": {
+                "env": [f"NVIDIA_VISIBLE_DEVICES={GPU0}", "CUDA_MPS_PIPE_DIRECTORY=/mps/pipe",
+                        "CUDA_MPS_LOG_DIRECTORY=/mps/log", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+                        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M"],  # half of the A100's 81920 MiB
+                "mounts": [
+                    {"hostPath": str(mps_root / GPU0 / "pipe"), "containerPath": "/mps/pipe", "options": options},
+                    {"hostPath": str(mps_root / GPU0 / "log"), "containerPath": "/mps/log", "options": options},
+                    {"hostPath": str(mps_root / "shm"), "containerPath": "/dev/shm", "options": options}]}}
+    finally:
+        for log in mps_root.glob("*/log/control.log"):
+            for line in log.read_text().splitlines():
+                if line.startswith("started pid="):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(line.split()[1].removeprefix("pid=")), signal.SIGKILL)

@@ -294,17 +294,25 @@ def test_time_sliced_gpus_are_published_as_their_replicas() -> None:
     whole = by_name(slice_spec(node("a100-pcie-nvlink-pairs"), "n", DRIVER, 1))["gpu-0"]
     second = spec["gpu-0-replica-1"]
     assert second["attributes"] == {**whole["attributes"], "type": {"string": "shared"},  # type: ignore[dict-item]
-                                    "replica": {"int": 1}, "replicas": {"int": 3}}
+                                    "sharing": {"string": "time-slicing"}, "replica": {"int": 1},
+                                    "replicas": {"int": 3}}
     assert second["capacity"] == whole["capacity"] == {"memory": {"value": "81920Mi"},
                                                        "multiprocessors": {"value": "108"}}
     assert second["attributes"]["nvlinkPair"] == {"int": 0}  # type: ignore[index]
     assert spec["gpu-1"]["attributes"]["type"] == {"string": "gpu"}  # type: ignore[index]
 
 
-def test_mps_shares_nothing_in_the_slice() -> None:
-    mps = parse_config("version: v1\nsharing:\n  mps:\n    resources:\n      - {name: nvidia.com/gpu, replicas: 2}\n")
+def test_mps_replicas_wait_for_their_gpus_daemon() -> None:
+    mps = parse_config("version: v1\nsharing:\n  mps:\n    resources:\n"
+                       "      - {name: nvidia.com/gpu, replicas: 2, devices: [0, 1]}\n")
     state = dataclasses.replace(node("a100-pcie-nvlink-pairs"), config=mps)
-    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    gpus = state.inventory.gpus
+    # No daemon is up yet: GPUs 0 and 1 are in no form, so that no whole-GPU claim takes them meanwhile.
+    assert list(by_name(slice_spec(state, "n", DRIVER, 1))) == ["gpu-2", "gpu-3"]
+    state = state.evolve(mps={gpus[0].uuid: "", gpus[1].uuid: "control daemon exited with code 1"})
+    spec = by_name(slice_spec(state, "n", DRIVER, 1))
+    assert list(spec) == ["gpu-0-replica-0", "gpu-0-replica-1", "gpu-2", "gpu-3"]
+    assert spec["gpu-0-replica-1"]["attributes"]["sharing"] == {"string": "mps"}  # type: ignore[index]
 
 
 def test_in_dra_mode_the_device_plugin_leaves_whole_gpus_and_their_replicas_under_any_name() -> None:
