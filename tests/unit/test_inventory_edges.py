@@ -4,7 +4,8 @@ matched as nvidia-smi writes it, MIG profiles with a '+' and sharing conflicts b
 from __future__ import annotations
 
 from agent.config import parse_config
-from agent.inventory import mig_resource, plan, sharing_conflicts
+from agent.inventory import mig_resource, plan, sanitise, sharing_conflicts
+from agent.state import DeviceHealth
 from tests.unit.test_inventory import node
 
 MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
@@ -41,3 +42,33 @@ def test_a_mig_device_shared_by_two_entries_is_named_by_its_index() -> None:
         "MIG device 0:1 is selected for nvidia.com/mig-1g.10gb by sharing.timeSlicing.resources[0], "
         "sharing.timeSlicing.resources[1]"
     ]
+
+
+def test_mps_replicas_wait_for_their_gpus_control_daemon() -> None:
+    state = node("pcie-l40s-4", config="version: v1\nsharing:\n  mps:\n    resources:\n"
+                                        "    - {name: nvidia.com/gpu, replicas: 2}\n")
+    uuids = [g.uuid for g in state.inventory.gpus]
+    state = state.evolve(mps={uuids[0]: "", uuids[1]: "control daemon exited"})
+    result = plan(state)
+    assert [d.id for d in result.resources["nvidia.com/gpu"].devices] == [f"{uuids[0]}::0", f"{uuids[0]}::1"]
+    assert result.problems == ("MPS replicas withheld until the GPU's MPS control daemon is up: "
+                               "GPU 1 (control daemon exited); GPU 2 (starting); GPU 3 (starting)",)
+
+
+def test_devices_carry_the_reason_their_gpu_is_unhealthy() -> None:
+    state = node(config=MIXED, mig=TWO_1G)
+    gpu0 = state.inventory.gpus[0].uuid
+    state = state.evolve(health={gpu0: DeviceHealth(False, "XID 48")})
+    resources = plan(state).resources
+    assert [(d.healthy, d.reason) for d in resources["nvidia.com/mig-1g.10gb"].devices] == [(False, "XID 48")] * 2
+    assert [(d.healthy, d.reason) for d in resources["nvidia.com/gpu"].devices[:1]] == [(True, "")]
+    whole = node().evolve(health={gpu0: DeviceHealth(False, "XID 79")})
+    assert [(d.healthy, d.reason) for d in plan(whole).resources["nvidia.com/gpu"].devices[:2]] == [
+        (False, "XID 79"), (True, "")]
+
+
+def test_sanitise_as_gpu_feature_discovery_does() -> None:
+    assert sanitise("NVIDIA A100 (PCIe)-") == "NVIDIA-A100-PCIe"
+    assert sanitise("Quadro RTX .") == "Quadro-RTX"
+    assert sanitise("-H100") == "-H100"
+    assert sanitise("A" * 70) == "A" * 63

@@ -7,7 +7,7 @@ import dataclasses
 
 from agent.config import parse_config
 from agent.labels import node_labels
-from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory
+from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory, PairLink
 from agent.state import NodeState
 from tests.unit.test_inventory import node
 from tests.unit.test_labels import gpu
@@ -53,3 +53,46 @@ def test_a_shared_product_label_is_cut_to_63_characters() -> None:
     product = node_labels(state, parse_config(SHARED))["nvidia.com/gpu.product"]
     assert product == "NVIDIA-" + "X" * 53 + "-SH"
     assert len(product) == 63
+
+
+def versions(driver: str, cuda: str) -> dict[str, str]:
+    state = NodeState(version=1, inventory=NodeInventory(driver=DriverInfo(driver, cuda), gpus=(gpu(0, 0),), links=()))
+    labels = node_labels(state, parse_config("version: v1\n"))
+    return {k.removeprefix("nvidia.com/cuda."): v for k, v in labels.items() if k.startswith("nvidia.com/cuda.")}
+
+
+def test_driver_and_cuda_versions_with_fewer_parts() -> None:
+    assert versions("580.65", "13") == {
+        "driver.major": "580", "driver.minor": "65", "driver.rev": "",
+        "driver-version.full": "580.65", "driver-version.major": "580", "driver-version.minor": "65",
+        "driver-version.revision": "",
+        "runtime.major": "13", "runtime.minor": "0",
+        "runtime-version.full": "13.0", "runtime-version.major": "13", "runtime-version.minor": "0",
+    }
+    only_major = versions("580", "13.0")
+    assert (only_major["driver.minor"], only_major["driver-version.minor"], only_major["driver.rev"]) == ("", "", "")
+
+
+def test_a_machine_name_with_nothing_printable_is_unknown() -> None:
+    state = dataclasses.replace(inventory(gpu(0, 0)), machine="???")
+    assert node_labels(state, parse_config("version: v1\n"))["nvidia.com/gpu.machine"] == "unknown"
+
+
+def test_compute_mode_gpus() -> None:
+    state = inventory(*(dataclasses.replace(gpu(i, 0), pci_class=0x030200) for i in range(2)))
+    assert node_labels(state, parse_config("version: v1\n"))["nvidia.com/gpu.mode"] == "compute"
+
+
+def topology_labels(state: NodeState) -> dict[str, str]:
+    labels = node_labels(state, parse_config("version: v1\n"))
+    return {k.removeprefix("gpu-node-agent.io/"): v for k, v in labels.items() if k.startswith("gpu-node-agent.io/nv")}
+
+
+def test_nvlink_labels_without_nvlink_and_on_one_gpu() -> None:
+    pcie_only = NodeState(version=1, inventory=NodeInventory(
+        driver=DriverInfo("570.133.20", "12.8"), gpus=(gpu(0, 0), gpu(1, 0)), links=(PairLink(0, 1, 0, "node"),)))
+    assert topology_labels(pcie_only) == {"nvlink.largest-group": "0", "nvlink.full-mesh": "false"}
+    assert topology_labels(inventory(gpu(0, 0))) == {"nvlink.largest-group": "0", "nvlink.full-mesh": "false"}
+    pair = NodeState(version=1, inventory=NodeInventory(
+        driver=DriverInfo("570.133.20", "12.8"), gpus=(gpu(0, 0), gpu(1, 0)), links=(PairLink(0, 1, 12, "node"),)))
+    assert topology_labels(pair) == {"nvlink.largest-group": "2", "nvlink.full-mesh": "true"}
