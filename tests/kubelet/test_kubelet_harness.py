@@ -360,9 +360,12 @@ def test_scenarios_fail_a_stand_in_that_breaks_the_contract(
          'kubelet-harness: -device-list: "volume-mounts" is neither envvar nor cdi-cri'),
         (["-scenario", "mig", "-expect-dev", "MIG-x=/dev/sda", "--", "true"],
          'kubelet-harness: -expect-dev: "MIG-x=/dev/sda" is not ID=/dev/nvidiaN'),
+        (["-scenario", "replicas", "-inject", "true", "--", "true"],
+         "kubelet-harness: -inject is for -scenario health"),
+        (["-devices", "4", "-scenario", "mig", "--", "true"], "kubelet-harness: -devices is for -scenario gpu"),
     ],
     ids=["unknown-scenario", "health-without-inject", "bad-resources", "no-plugin", "one-container-not-multi",
-         "bad-device-list", "bad-expect-dev"],
+         "bad-device-list", "bad-expect-dev", "inject-not-health", "devices-not-gpu"],
 )
 def test_harness_refuses_bad_scenario_flags_in_one_line(
     kubelet_harness: HarnessBinaries, args: list[str], message: str

@@ -175,7 +175,9 @@ func parseFlags() (*options, error) {
 			o.expectDev[id] = node
 		}
 	}
-	if err := o.scenarioFlags(*resources); err != nil {
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if err := o.scenarioFlags(*resources, set); err != nil {
 		return nil, err
 	}
 

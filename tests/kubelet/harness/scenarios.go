@@ -98,19 +98,45 @@ var (
 	gpuDeviceNode = regexp.MustCompile(`^/dev/nvidia[0-9]+$`)
 )
 
+// flagScenarios names the scenarios each scenario-bound flag is for; a flag
+// set for another scenario is refused rather than ignored.
+var flagScenarios = map[string][]string{
+	"resource":          {"gpu"},
+	"devices":           {"gpu"},
+	"request":           {"gpu"},
+	"reregister-within": {"gpu"},
+	"resources":         {"health", "mig", "multi", "replicas"},
+	"device-list":       {"mig", "multi", "replicas"},
+	"expect-dev":        {"mig", "multi", "replicas"},
+	"one-container":     {"multi"},
+	"replicas":          {"replicas"},
+	"replica-gpus":      {"replicas"},
+	"inject":            {"health"},
+	"recover":           {"health"},
+	"unhealthy":         {"health"},
+	"health-within":     {"health"},
+}
+
 // scenarioFlags checks the flags that belong to the scenarios and fills in
-// the scenario's default resources.
-func (o *options) scenarioFlags(text string) error {
-	if o.scenario == "gpu" {
-		if text != "" {
-			return fmt.Errorf("-resources is for the other scenarios; -scenario gpu takes -resource, -devices and -request")
-		}
-		return nil
-	}
-	sc, ok := scenarios[o.scenario]
-	if !ok {
+// the scenario's default resources. set names the flags given.
+func (o *options) scenarioFlags(text string, set map[string]bool) error {
+	if _, ok := scenarios[o.scenario]; !ok && o.scenario != "gpu" {
 		return fmt.Errorf("-scenario: unknown scenario %q (known: %s)", o.scenario, strings.Join(scenarioNames(), ", "))
 	}
+	names := make([]string, 0, len(set))
+	for name := range set {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		if allowed, bound := flagScenarios[name]; bound && !slices.Contains(allowed, o.scenario) {
+			return fmt.Errorf("-%s is for -scenario %s", name, strings.Join(allowed, ", "))
+		}
+	}
+	if o.scenario == "gpu" {
+		return nil
+	}
+	sc := scenarios[o.scenario]
 	o.resources = sc.resources
 	if text != "" {
 		o.resources = nil
@@ -127,14 +153,8 @@ func (o *options) scenarioFlags(text string) error {
 			o.resources = append(o.resources, spec)
 		}
 	}
-	if o.oneContainer && o.scenario != "multi" {
-		return fmt.Errorf("-one-container is for -scenario multi")
-	}
 	if o.deviceList != "envvar" && o.deviceList != "cdi-cri" {
 		return fmt.Errorf("-device-list: %q is neither envvar nor cdi-cri", o.deviceList)
-	}
-	if (o.deviceList != "envvar" || o.expectDev != nil) && o.scenario == "health" {
-		return fmt.Errorf("-device-list and -expect-dev are for the scenarios that allocate: mig, multi, replicas")
 	}
 	minRequest := 1
 	switch o.scenario {
