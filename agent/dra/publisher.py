@@ -132,7 +132,8 @@ class SlicePublisher:
     """Publishes the node's pool as one ResourceSlice and keeps it so."""
 
     def __init__(self, api: SliceClient, bus: StateBus, node: str, driver: str,
-                 pcie_root: PcieRootLookup = sysfs_pcie_root, on_error: Callable[[], None] = lambda: None) -> None:
+                 pcie_root: PcieRootLookup = sysfs_pcie_root, on_error: Callable[[], None] = lambda: None,
+                 on_health_mode: Callable[[str], None] = lambda mode: None) -> None:
         self._api = api
         self._bus = bus
         self.node = node
@@ -140,6 +141,8 @@ class SlicePublisher:
         self.name = slice_name(node, driver)
         self._pcie_root = pcie_root
         self._on_error = on_error
+        self._on_health_mode = on_health_mode
+        """Called with TAINTS or WITHDRAWAL whenever the health mode is decided or changes (for a metric)."""
         self._wake = asyncio.Event()
         self.generation = 0
         """The pool generation last written (0 before the first write)."""
@@ -219,9 +222,11 @@ class SlicePublisher:
             if self.health_mode != TAINTS:
                 log.info("the API server keeps device taints (DRADeviceTaints): unhealthy devices stay in "
                          "ResourceSlice %s with the taint %s", self.name, taint_key(self.driver))
-            self.health_mode = TAINTS
+                self.health_mode = TAINTS
+                self._on_health_mode(TAINTS)
             return True
         self.health_mode = WITHDRAWAL
+        self._on_health_mode(WITHDRAWAL)
         log.warning("the API server drops the device taints of %s (the DRADeviceTaints feature gate is off): "
                     "unhealthy devices are withdrawn from ResourceSlice %s instead",
                     ", ".join(sorted(tainted - stored)), self.name)
@@ -270,13 +275,15 @@ def _keep_taint_times(devices: list[dict[str, Any]], stored: list[dict[str, Any]
                 taint["timeAdded"] = when
 
 
-def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None]) -> SlicePublisher | None:
+def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None],
+                  on_health_mode: Callable[[str], None] = lambda mode: None) -> SlicePublisher | None:
     """The publisher for the agent's own Node client, sharing its server and credentials; None (said in the
     log) when the agent has no API server client to share."""
     if not isinstance(kube, NodeApi):
         log.warning("DRA mode: no API server client; no ResourceSlice is published")
         return None
-    return SlicePublisher(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error)
+    return SlicePublisher(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error,
+                          on_health_mode=on_health_mode)
 
 
 def claim_reader(publisher: SlicePublisher) -> SliceApi:

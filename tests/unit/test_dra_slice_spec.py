@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -360,3 +361,68 @@ async def test_the_health_stream_has_prepared_devices_the_node_lost_as_unknown_a
     plugin.unprepare("u1")
     assert await report() == whole
     await stream.aclose()
+
+
+class StoredSlices:
+    """A stand-in for the API server's ResourceSlices: keeps what is written, dropping device taints unless
+    `keeps_taints` (as the DRADeviceTaints gate decides), and records each write as (verb, dry run)."""
+
+    def __init__(self, keeps_taints: bool) -> None:
+        self.keeps_taints = keeps_taints
+        self.stored: dict[str, dict[str, object]] = {}
+        self.writes: list[tuple[str, bool]] = []
+        self.version = 0
+
+    def _store(self, verb: str, body: dict[str, object], dry_run: bool) -> dict[str, object]:
+        self.writes.append((verb, dry_run))
+        kept = copy.deepcopy(body)
+        if not self.keeps_taints:
+            for device in kept["spec"]["devices"]:  # type: ignore[index]
+                device.pop("taints", None)
+        if dry_run:
+            return kept
+        self.version += 1
+        kept["metadata"] = {**kept["metadata"], "resourceVersion": str(self.version)}  # type: ignore[dict-item]
+        self.stored[kept["metadata"]["name"]] = kept  # type: ignore[index]
+        return kept
+
+    async def get(self, name: str) -> dict[str, object] | None:
+        return copy.deepcopy(self.stored.get(name))
+
+    async def create(self, body: dict[str, object], dry_run: bool = False) -> dict[str, object]:
+        return self._store("create", body, dry_run)
+
+    async def replace(self, name: str, body: dict[str, object], dry_run: bool = False) -> dict[str, object]:
+        return self._store("replace", body, dry_run)
+
+    async def delete(self, name: str) -> None:
+        self.stored.pop(name, None)
+
+    async def list(self, node: str, driver: str) -> list[dict[str, object]]:
+        return list(self.stored.values())
+
+
+@pytest.mark.parametrize(("keeps", "mode", "gpu3"), [
+    (True, "taints", [{"key": "gpu.gpu-node-agent.io/unhealthy", "value": "xid-48", "effect": "NoSchedule"}]),
+    (False, "withdrawal", None),
+])
+async def test_the_first_taint_is_a_dry_run_that_decides_the_health_mode(
+        keeps: bool, mode: str, gpu3: object) -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    state = node("a100-pcie-nvlink-pairs")
+    api, modes = StoredSlices(keeps), []
+    publisher = SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None, on_health_mode=modes.append)
+    assert await publisher.sync(state)
+    sick = state.evolve(health={state.inventory.gpus[3].uuid: DeviceHealth(False, "XID 48")})
+    assert await publisher.sync(sick)
+    assert api.writes == [("create", False), ("replace", True), ("replace", False)]
+    assert (publisher.health_mode, modes) == (mode, [mode])
+    devices = {d["name"]: d for d in api.stored["n-gpu.gpu-node-agent.io"]["spec"]["devices"]}  # type: ignore[index]
+    assert devices.get("gpu-3", {}).get("taints") == gpu3
+    assert ("gpu-3" in devices) is keeps
+    # Decided: the next fault is written once, with no dry run.
+    sicker = sick.evolve(health={**sick.health, state.inventory.gpus[2].uuid: DeviceHealth(False, "XID 48")})
+    assert await publisher.sync(sicker)
+    assert api.writes[3:] == [("replace", False)]
+    assert modes == [mode]
