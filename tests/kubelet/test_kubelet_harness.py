@@ -324,23 +324,27 @@ def test_scenarios_pass_a_conforming_stand_in(
 
 
 @pytest.mark.parametrize(
-    ("harness_args", "stub_args", "checks", "failing_check"),
+    ("harness_args", "stub_args", "checks", "failing"),
     [
-        (STUB_REPLICAS, ["-replicas", "4", "-fault", "repeat-uuid"], ALLOCATION_CHECKS, "allocate-env"),
-        (STUB_HEALTH, ["-fault", "no-recovery"], HEALTH_CHECKS, "health-recovered"),
+        (STUB_REPLICAS, ["-replicas", "4", "-fault", "repeat-uuid"], ALLOCATION_CHECKS, ["allocate-env"]),
+        # The stub packs 2 replicas onto one GPU; a plugin expected to spread them over two fails.
+        ([*STUB_REPLICAS, "-replica-gpus", "2"], ["-replicas", "4"], ALLOCATION_CHECKS, ["preferred-allocation"]),
+        (STUB_HEALTH, ["-fault", "no-recovery"], HEALTH_CHECKS, ["health-recovered"]),
+        # Nothing becomes unhealthy, so there is no recovery to check either.
+        (STUB_HEALTH, ["-fault", "ignore-health"], HEALTH_CHECKS, ["health-unhealthy", "health-recovered"]),
         # Whole GPUs advertised under a MIG resource name: GPU UUIDs where MIG UUIDs belong.
         (["-scenario", "mig", "-resources", "nvidia.com/mig-1g.10gb=8:2"], ["-resource", "nvidia.com/mig-1g.10gb"],
-         ALLOCATION_CHECKS, "device-ids"),
+         ALLOCATION_CHECKS, ["device-ids"]),
     ],
-    ids=["repeat-uuid", "no-recovery", "gpus-as-mig-devices"],
+    ids=["repeat-uuid", "packed-where-spread-expected", "no-recovery", "ignore-health", "gpus-as-mig-devices"],
 )
 def test_scenarios_fail_a_stand_in_that_breaks_the_contract(
     kubelet_harness: HarnessBinaries, harness_args: list[str], stub_args: list[str], checks: list[str],
-    failing_check: str,
+    failing: list[str],
 ) -> None:
     stub = [str(kubelet_harness.stub_plugin), "-kubelet-dir", "{dir}", *stub_args]
     code, verdicts, output = run_harness(kubelet_harness.harness, *harness_args, "--", *stub)
-    assert verdicts == {**dict.fromkeys(checks, "PASS"), failing_check: "FAIL"}, output
+    assert verdicts == {**dict.fromkeys(checks, "PASS"), **dict.fromkeys(failing, "FAIL")}, output
     assert code == 1, output
 
 

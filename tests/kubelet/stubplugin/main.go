@@ -42,6 +42,7 @@ var faults = map[string]string{
 	"leave-socket":    "leave the socket behind on SIGTERM",
 	"repeat-uuid":     "name a GPU once per allocated replica in NVIDIA_VISIBLE_DEVICES",
 	"no-recovery":     "keep a GPU unhealthy after DIR/stub-unhealthy is removed",
+	"ignore-health":   "never mark a GPU unhealthy",
 }
 
 // healthFile names the GPU (its index) that is unhealthy while it exists.
@@ -51,7 +52,7 @@ func main() {
 	dir := flag.String("kubelet-dir", "", "directory holding kubelet.sock")
 	resource := flag.String("resource", "nvidia.com/gpu", "resource name to register")
 	fault := flag.String("fault", "", "contract to break: split-numa, wrong-env, slow-reregister, leave-socket, "+
-		"repeat-uuid, no-recovery")
+		"repeat-uuid, no-recovery, ignore-health")
 	replicas := flag.Int("replicas", 0, "advertise this many replicas of each GPU (0: the GPUs themselves)")
 	flag.Parse()
 	if *dir == "" {
@@ -132,6 +133,9 @@ func (p *stub) current() ([]*pluginapi.Device, <-chan struct{}) {
 
 // readHealth takes the unhealthy GPU from healthFile; with no file, none.
 func (p *stub) readHealth() {
+	if p.fault == "ignore-health" {
+		return
+	}
 	gpu := -1
 	if data, err := os.ReadFile(filepath.Join(p.dir, healthFile)); err == nil {
 		if _, err := fmt.Sscan(string(data), &gpu); err != nil {
