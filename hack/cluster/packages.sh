@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the single-node cluster needs, only those that
-# are missing: containerd and runc (the container runtime), buildah and
+# are missing: runc (the container runtime; containerd itself is built by
+# hack/cluster/containerd.sh) and containerd (for its ctr client), buildah and
 # mmdebstrap (the images, with no registry), the CNI plugins, iptables,
 # busybox-static (the test pods' shell), openssl, curl and gcc (the pause
 # binary). Nothing is installed when everything is there.
