@@ -303,6 +303,27 @@ def test_agent_xid_drops_allocatable_until_the_gpu_recovers(kubelet_harness: Har
     assert f"unhealthy [{gpu2}], capacity nvidia.com/gpu=8 allocatable=7" in output
 
 
+def test_agent_xid_on_a_mig_gpu_drops_its_mig_devices_from_allocatable(
+    kubelet_harness: HarnessBinaries, tmp_path: Path
+) -> None:
+    state = apply_mig_layout(tmp_path, "all-1g.10gb")
+    config = write_config(tmp_path, MIXED + "health:\n  sampleIntervalSeconds: 0.2\n  recoveryChecks: 5\n")
+    # An XID not scoped to a GPU or compute instance is the whole GPU's: every MIG device on it goes, as in
+    # NVIDIA's device plugin.
+    on_gpu2 = [m["uuid"] for m in inspect(state)["mig_devices"] if m["gpu"] == 2]
+    assert len(on_gpu2) == MIG_1G_PER_GPU
+    inject = shlex.join([str(GPU_AGENT), "fault", "--nvml", PRESET, "--mock-state", str(state), "xid", "2", "48"])
+    code, verdicts, output = run_harness(
+        kubelet_harness.harness, "-scenario", "health",
+        "-resources", f"nvidia.com/mig-1g.10gb={GPUS * MIG_1G_PER_GPU}:0",
+        "-inject", inject, "-unhealthy", ",".join(on_gpu2),
+        "--", *agent_command("--mock-state", str(state), "--config", str(config)),
+    )
+    assert verdicts == dict.fromkeys(HEALTH_CHECKS, "PASS"), output
+    assert code == 0, output
+    assert "capacity nvidia.com/mig-1g.10gb=56 allocatable=49 after" in output
+
+
 STUB_GPU2 = "GPU-5eed0002-0000-4000-8000-000000000002"
 STUB_HEALTH = ["-scenario", "health", "-health-within", "3s", "-unhealthy", STUB_GPU2,
                "-inject", "echo 2 > {dir}/stub-unhealthy", "-recover", "rm {dir}/stub-unhealthy"]

@@ -156,7 +156,8 @@ func parseFlags() (*options, error) {
 	flag.IntVar(&o.replicaGPUs, "replica-gpus", 1, "-scenario replicas: GPUs the preferred replicas are on")
 	flag.StringVar(&o.inject, "inject", "", "-scenario health: shell command that makes one device unhealthy")
 	flag.StringVar(&o.recover, "recover", "", "-scenario health: shell command that clears the fault (optional)")
-	flag.StringVar(&o.unhealthy, "unhealthy", "", "-scenario health: ID of the device -inject makes unhealthy")
+	flag.StringVar(&o.unhealthy, "unhealthy", "", "-scenario health: IDs of the devices -inject makes unhealthy, "+
+		"as ID,ID,... (default: any one device)")
 	flag.DurationVar(&o.healthWithin, "health-within", 15*time.Second,
 		"-scenario health: limit for each health change to reach the manager")
 	expectDev := flag.String("expect-dev", "", "-scenario mig, multi, replicas: the GPU device node the runtime "+

@@ -807,16 +807,19 @@ func (h *harness) checkHealth(k *kubelet) {
 		r.fail("health-recovered", "not checked: nothing became unhealthy")
 		return
 	}
-	okIDs := len(drop.unhealthy) == 1 && (o.unhealthy == "" || drop.unhealthy[0] == o.unhealthy)
+	// Without -unhealthy: any one device; with it: exactly those.
+	wantIDs, wantText := []string(nil), "one device"
+	if o.unhealthy != "" {
+		wantIDs = sorted(strings.Split(o.unhealthy, ","))
+		wantText = fmt.Sprintf("%v", wantIDs)
+	}
+	okIDs := len(drop.unhealthy) == 1 && wantIDs == nil || wantIDs != nil && slices.Equal(drop.unhealthy, wantIDs)
+	gone := max(len(wantIDs), 1)
 	figures := fmt.Sprintf("unhealthy %v, capacity %s=%d allocatable=%d after %d ms", drop.unhealthy, res.name,
 		drop.capacity, drop.allocatable, drop.at.Sub(injected).Milliseconds())
-	if !okIDs || drop.capacity != int64(res.devices) || drop.allocatable != int64(res.devices-1) {
-		want := "one device"
-		if o.unhealthy != "" {
-			want = o.unhealthy
-		}
-		r.fail("health-unhealthy", "%s; want %s unhealthy, capacity=%d allocatable=%d", figures, want, res.devices,
-			res.devices-1)
+	if !okIDs || drop.capacity != int64(res.devices) || drop.allocatable != int64(res.devices-gone) {
+		r.fail("health-unhealthy", "%s; want %s unhealthy, capacity=%d allocatable=%d", figures, wantText,
+			res.devices, res.devices-gone)
 		r.fail("health-recovered", "not checked: the health change was not as expected")
 		return
 	}
@@ -841,7 +844,7 @@ func (h *harness) checkHealth(k *kubelet) {
 			c, a, res.devices, o.healthWithin)
 		return
 	}
-	r.pass("health-recovered", "capacity %s=%d allocatable=%d, %d ms after the device went unhealthy", res.name,
+	r.pass("health-recovered", "capacity %s=%d allocatable=%d, %d ms after the fault reached the manager", res.name,
 		l.capacity, l.allocatable, l.at.Sub(drop.at).Milliseconds())
 }
 
