@@ -130,8 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("the node name is unknown: set NODE_NAME or --node-name (or run with --no-kube)")
     if args.kubeconfig is not None and not args.kubeconfig.is_file():
         raise CliError(f"kubeconfig {args.kubeconfig} does not exist")
-    _check_pod_resources_socket(config)
     backend = _backend(args.nvml, args.mock_state)
+    _check_pod_resources_socket(config)
 
     async def main() -> int:
         kube = None

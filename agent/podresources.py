@@ -69,8 +69,9 @@ def check_socket(path: Path, configured: bool = True) -> str | None:
     the socket (something other than a socket is there, or its directory is not a directory); returns a warning
     line when the socket is not there yet (the kubelet makes it when it starts), None when it is there.
 
-    A directory that does not exist is refused when the path was set in the config (a mistyped overlay); the
-    default path's directory is missing wherever no kubelet runs, which is a warning like a missing socket."""
+    A directory that does not exist is refused when the path was set in the config (a mistyped overlay). The
+    default path's directory is missing wherever no kubelet runs (a simulated node, a test machine): that is not
+    mentioned here, the MIG controller and the telemetry say so when they need the socket."""
     where = f"mig.podResourcesSocket {path}"
     try:
         found = path.lstat()
@@ -100,13 +101,13 @@ def check_socket(path: Path, configured: bool = True) -> str | None:
         if configured:
             raise SocketPathError(f"{where}: the directory {path.parent} does not exist (the kubelet makes its "
                                   "socket in <kubelet root>/pod-resources; mount that directory into the container)")
-        return _missing(where, f"; the directory {path.parent} does not exist either")
+        return None
     return _missing(where)
 
 
-def _missing(where: str, more: str = "") -> str:
-    return (f"{where} does not exist yet{more} (the kubelet makes it): until it does, MIG changes do not check "
-            "for pods on the GPUs and GPU metrics carry no pod labels")
+def _missing(where: str) -> str:
+    return (f"{where} does not exist yet (the kubelet makes it): until it does, MIG changes do not check for pods "
+            "on the GPUs and GPU metrics carry no pod labels")
 
 
 def _kind(path: Path) -> str:

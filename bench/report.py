@@ -272,8 +272,10 @@ def _method(results: dict[str, Any]) -> list[str]:
         "- **Reproduce.** `make bench` runs `bench/allocator_bench.py` (the allocator alone, into "
         "`bench/out/`) and `bench/run.py`, which writes `bench/results.json` and this page; "
         "`python bench/report.py` re-renders the page from the JSON. `bench/run.py --quick` is a smoke run "
-        "with fewer calls, a 10 s idle window and a 30 s steady state. No test times anything; these figures "
-        "come only from here.",
+        "with fewer calls, a 10 s idle window and a 30 s steady state; `bench/run.py --only floor,many_devices` "
+        "measures only those sections (any of preferred, allocate, many_devices, health, telemetry, mig_apply, "
+        "floor, process, apiserver) into `bench/out/only.json`, never onto this page. No test times anything; "
+        "these figures come only from here.",
     ]
 
 

@@ -2,11 +2,13 @@
 their budgets, into bench/results.json and docs/benchmarks.md.
 
 Usage: python bench/run.py [--quick] [--seed S] [--out bench/results.json] [--doc docs/benchmarks.md] [--check]
-                           [--no-cluster]
+                           [--no-cluster] [--only SECTION[,SECTION...]]
 
 --quick runs every measurement with fewer calls, a 10 s idle window and a 30 s steady state (a smoke run, not
-for the page); --check exits 1 when a figure misses its budget. The API-server figures need the binaries
-hack/testbin.sh builds; the run builds them first when they are missing (minutes, once).
+for the page); --check exits 1 when a figure misses its budget; --only measures some sections (e.g.
+--only floor,many_devices), prints their figures and writes them to bench/out/only.json, not to the page. The
+API-server figures need the binaries hack/testbin.sh builds; the run builds them first when they are missing
+(minutes, once).
 """
 
 from __future__ import annotations
@@ -165,234 +167,260 @@ class Sections:
             self.record[name] = {"load_average_at_start": load, "duration_s": round(time.monotonic() - started, 1)}
 
 
-async def measure(plan: Plan, seed: int, workdir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+SECTIONS = ("preferred", "allocate", "many_devices", "health", "telemetry", "mig_apply", "floor", "process",
+            "apiserver")
+"""What --only can choose; apiserver is the taint, steady-state and API-client process figures."""
+
+
+async def measure(plan: Plan, seed: int, workdir: Path,
+                  only: frozenset[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def want(name: str) -> bool:
+        return only is None or name in only
+
     figures: list[dict[str, Any]] = []
     details: dict[str, Any] = {"preferred": {}, "allocate": {}, "many_devices": {}}
     section = Sections()
     details["sections"] = section.record
 
-    for preset in PREFERRED_PRESETS:
-        started = time.monotonic()
-        with section(f"preferred/{preset}"):
-            result = await grpc_bench.preferred_allocation(
-                preset, plan.preferred_calls_per_size, _rng(seed, f"preferred/{preset}")
-            )
-        details["preferred"][preset] = result
-        n, optimum = result["gpus"], result["optimum"]
-        share = round(100 * optimum["optimal"] / optimum["checked"], 2)
-        where = f"{n} GPUs ({preset})"
-        figures += [
-            figure(f"preferred.{preset}.p50", f"GetPreferredAllocation p50, {where}", result["p50_ms"], "ms"),
-            figure(f"preferred.{preset}.p99", f"GetPreferredAllocation p99, {where}", result["p99_ms"], "ms",
-                   "<", PREFERRED_P99_MS),
-            figure(f"preferred.{preset}.optimum", f"GetPreferredAllocation answers equal to the brute-force "
-                   f"optimum, {where}", share, "%", "==", 100.0),
-        ]
-        print(f"GetPreferredAllocation {preset}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, "
-              f"max {result['max_ms']} ms over {result['calls']} calls; optimum {optimum['optimal']}/"
-              f"{optimum['checked']} checked ({time.monotonic() - started:.0f} s)", flush=True)
+    if want("preferred"):
+        for preset in PREFERRED_PRESETS:
+            started = time.monotonic()
+            with section(f"preferred/{preset}"):
+                result = await grpc_bench.preferred_allocation(
+                    preset, plan.preferred_calls_per_size, _rng(seed, f"preferred/{preset}")
+                )
+            details["preferred"][preset] = result
+            n, optimum = result["gpus"], result["optimum"]
+            share = round(100 * optimum["optimal"] / optimum["checked"], 2)
+            where = f"{n} GPUs ({preset})"
+            figures += [
+                figure(f"preferred.{preset}.p50", f"GetPreferredAllocation p50, {where}", result["p50_ms"], "ms"),
+                figure(f"preferred.{preset}.p99", f"GetPreferredAllocation p99, {where}", result["p99_ms"], "ms",
+                       "<", PREFERRED_P99_MS),
+                figure(f"preferred.{preset}.optimum", f"GetPreferredAllocation answers equal to the brute-force "
+                       f"optimum, {where}", share, "%", "==", 100.0),
+            ]
+            print(f"GetPreferredAllocation {preset}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, "
+                  f"max {result['max_ms']} ms over {result['calls']} calls; optimum {optimum['optimal']}/"
+                  f"{optimum['checked']} checked ({time.monotonic() - started:.0f} s)", flush=True)
 
-    for preset in ALLOCATE_PRESETS:
-        with section(f"allocate/{preset}"):
-            result = await grpc_bench.allocate(preset, plan.allocate_calls, _rng(seed, f"allocate/{preset}"))
-        details["allocate"][preset] = result
-        where = f"{result['gpus']} GPUs ({preset})"
-        figures += [
-            figure(f"allocate.{preset}.p50", f"Allocate p50, {where}", result["p50_ms"], "ms"),
-            figure(f"allocate.{preset}.p99", f"Allocate p99, {where}", result["p99_ms"], "ms", "<", ALLOCATE_P99_MS),
-        ]
-        print(f"Allocate {preset}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms over {result['calls']} "
-              "calls", flush=True)
+    if want("allocate"):
+        for preset in ALLOCATE_PRESETS:
+            with section(f"allocate/{preset}"):
+                result = await grpc_bench.allocate(preset, plan.allocate_calls, _rng(seed, f"allocate/{preset}"))
+            details["allocate"][preset] = result
+            where = f"{result['gpus']} GPUs ({preset})"
+            figures += [
+                figure(f"allocate.{preset}.p50", f"Allocate p50, {where}", result["p50_ms"], "ms"),
+                figure(f"allocate.{preset}.p99", f"Allocate p99, {where}", result["p99_ms"], "ms", "<",
+                       ALLOCATE_P99_MS),
+            ]
+            print(f"Allocate {preset}: p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms over {result['calls']} "
+                  "calls", flush=True)
 
-    many = {
-        "mig": (MIG_PRESET, MIG_RESOURCE, MIG_CONFIG, f"MIG devices ({MIG_PRESET}, {MIG_LAYOUT}, {MIG_RESOURCE})"),
-        "replicas": (REPLICA_PRESET, REPLICA_RESOURCE, REPLICA_CONFIG,
-                     f"time-sliced replicas ({REPLICA_PRESET}, {REPLICAS} per GPU, {REPLICA_RESOURCE})"),
-    }
-    for key, (preset, resource, text, what) in many.items():
-        started = time.monotonic()
-        with section(f"many_devices/{key}"):
-            fake = mig_bench.carved(preset, MIG_LAYOUT) if key == "mig" else None
-            result = await grpc_bench.many_devices(
-                preset, resource, parse_config(text, f"bench {key} config"), plan.many_preferred_calls,
-                plan.many_allocate_calls, _rng(seed, f"many_devices/{key}"), fake=fake,
-            )
-        result["config"] = text
-        if key == "mig":
-            result["layout"] = MIG_LAYOUT
-        details["many_devices"][key] = result
-        where = f"{result['devices']} {what}"
-        pref, alloc = result["preferred"], result["allocate"]
+    if want("many_devices"):
+        many = {
+            "mig": (MIG_PRESET, MIG_RESOURCE, MIG_CONFIG, f"MIG devices ({MIG_PRESET}, {MIG_LAYOUT}, {MIG_RESOURCE})"),
+            "replicas": (REPLICA_PRESET, REPLICA_RESOURCE, REPLICA_CONFIG,
+                         f"time-sliced replicas ({REPLICA_PRESET}, {REPLICAS} per GPU, {REPLICA_RESOURCE})"),
+        }
+        for key, (preset, resource, text, what) in many.items():
+            started = time.monotonic()
+            with section(f"many_devices/{key}"):
+                fake = mig_bench.carved(preset, MIG_LAYOUT) if key == "mig" else None
+                result = await grpc_bench.many_devices(
+                    preset, resource, parse_config(text, f"bench {key} config"), plan.many_preferred_calls,
+                    plan.many_allocate_calls, _rng(seed, f"many_devices/{key}"), fake=fake,
+                )
+            result["config"] = text
+            if key == "mig":
+                result["layout"] = MIG_LAYOUT
+            details["many_devices"][key] = result
+            where = f"{result['devices']} {what}"
+            pref, alloc = result["preferred"], result["allocate"]
+            figures += [
+                figure(f"many.{key}.preferred.p50", f"GetPreferredAllocation p50, {where}", pref["p50_ms"], "ms"),
+                figure(f"many.{key}.preferred.p99", f"GetPreferredAllocation p99, {where}", pref["p99_ms"], "ms",
+                       "<", PREFERRED_P99_MS),
+                figure(f"many.{key}.allocate.p50", f"Allocate p50, {where}", alloc["p50_ms"], "ms"),
+                figure(f"many.{key}.allocate.p99", f"Allocate p99, {where}", alloc["p99_ms"], "ms",
+                       "<", ALLOCATE_P99_MS),
+            ]
+            print(f"{result['devices']} {what}: GetPreferredAllocation p50 {pref['p50_ms']} ms, "
+                  f"p99 {pref['p99_ms']} ms "
+                  f"({pref['valid_answers']}/{pref['calls']} answers valid); Allocate p50 {alloc['p50_ms']} ms, "
+                  f"p99 {alloc['p99_ms']} ms ({time.monotonic() - started:.0f} s)", flush=True)
+
+    if want("health"):
+        with section("health"):
+            health = await grpc_bench.health_to_list_and_watch(HEALTH_PRESET, plan.xid_injections, _rng(seed, "health"))
+        details["health"] = health
+        label = f"XID {health['xid']} to ListAndWatch update ({HEALTH_PRESET})"
         figures += [
-            figure(f"many.{key}.preferred.p50", f"GetPreferredAllocation p50, {where}", pref["p50_ms"], "ms"),
-            figure(f"many.{key}.preferred.p99", f"GetPreferredAllocation p99, {where}", pref["p99_ms"], "ms",
-                   "<", PREFERRED_P99_MS),
-            figure(f"many.{key}.allocate.p50", f"Allocate p50, {where}", alloc["p50_ms"], "ms"),
-            figure(f"many.{key}.allocate.p99", f"Allocate p99, {where}", alloc["p99_ms"], "ms",
+            figure("health.p50", f"{label}, p50", health["p50_ms"], "ms"),
+            figure("health.p99", f"{label}, p99", health["p99_ms"], "ms", "<", HEALTH_MS),
+            figure("health.max", f"{label}, max", health["max_ms"], "ms", "<", HEALTH_MS),
+        ]
+        print(f"XID to ListAndWatch: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, max {health['max_ms']} ms "
+              f"over {health['calls']} injections on {health['agents']} agents", flush=True)
+
+    if want("telemetry"):
+        with section("telemetry"):
+            tele = await telemetry_bench.telemetry(TELEMETRY_PRESET, plan.telemetry_passes, plan.telemetry_scrapes)
+        details["telemetry"] = tele
+        where = f"{tele['gpus']} GPUs ({TELEMETRY_PRESET}), {tele['held_gpus']} held by a pod"
+        figures += [
+            figure("telemetry.nvml_calls", f"NVML calls per telemetry pass, {where}", tele["nvml_calls_per_pass"],
+                   "calls", "report"),
+            figure("telemetry.pass.wall_p50",
+                   f"Telemetry pass p50 (NVML thread shared with the health monitor), {where}",
+                   tele["pass"]["p50_ms"], "ms", "report"),
+            figure("telemetry.pass.cpu_p99", f"Telemetry pass CPU time p99, {where}", tele["pass"]["cpu_p99_ms"], "ms",
+                   "<", TELEMETRY_PASS_CPU_MS),
+            figure("telemetry.scrape.p99",
+                   f"/metrics scrape p99 with DCGM_FI_* on ({tele['dcgm_series']} series), {where}",
+                   tele["scrape_dcgm_on"]["p99_ms"], "ms", "<", SCRAPE_P99_MS),
+            figure("telemetry.scrape_off.p99", f"/metrics scrape p99 with DCGM_FI_* off, {where}",
+                   tele["scrape_dcgm_off"]["p99_ms"], "ms", "report"),
+        ]
+        print(f"telemetry: {tele['nvml_calls_per_pass']} NVML calls per pass, pass p50 {tele['pass']['p50_ms']} ms "
+              f"(CPU p99 {tele['pass']['cpu_p99_ms']} ms); scrape p99 {tele['scrape_dcgm_on']['p99_ms']} ms with "
+              f"DCGM_FI_* on, {tele['scrape_dcgm_off']['p99_ms']} ms off", flush=True)
+
+    if want("mig_apply"):
+        with section("mig_apply"):
+            apply = mig_bench.apply_overhead(APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM, plan.mig_apply_runs)
+        details["mig_apply"] = apply
+        where = f"{APPLY_LAYOUT} from {APPLY_FROM}, {apply['gpus']} GPUs ({APPLY_PRESET}), p50 of {apply['runs']} runs"
+        figures += [
+            figure("mig_apply.total", f"MIG apply, total, {where}", apply["total_p50_ms"], "ms", "report"),
+            figure("mig_apply.inside_nvml", f"MIG apply, inside NVML calls, {where}", apply["inside_nvml_p50_ms"],
+                   "ms", "report"),
+            figure("mig_apply.agent", f"MIG apply, total minus inside NVML (agent overhead), {where}",
+                   apply["agent_p50_ms"], "ms", "report"),
+        ]
+        print(f"MIG apply {APPLY_LAYOUT}: p50 total {apply['total_p50_ms']} ms, "
+              f"inside NVML {apply['inside_nvml_p50_ms']} "
+              f"ms, agent {apply['agent_p50_ms']} ms over {apply['runs']} runs ({apply['nvml_calls_per_apply']} NVML "
+              "calls each)", flush=True)
+
+    if want("floor"):
+        print(f"Allocate against the floor: {plan.floor_rounds} rounds of {plan.floor_calls} calls per server and "
+              "method ...", flush=True)
+        with section("floor"):
+            floor = await grpc_bench.allocate_floor(FLOOR_PRESET, plan.floor_rounds, plan.floor_calls,
+                                                    _rng(seed, "floor"))
+        details["floor"] = floor
+        alloc, pref = floor["ratios"]["allocate"], floor["ratios"]["preferred"]
+        agent_cpu = floor["pooled"]["allocate"]["agent"]["server_cpu_ms_per_call"]
+        where = f"{floor['devices']} GPUs ({FLOOR_PRESET}), Go client, {floor['rounds']} x {floor['calls']} calls"
+        figures += [
+            figure("floor.allocate.p99_ratio", f"Allocate p99, agent / Go floor, {where}", alloc["p99_vs_go"], "x",
+                   "<=", FLOOR_P99_RATIO),
+            figure("floor.allocate.p50_ratio", f"Allocate p50, agent / empty Python server, {where}",
+                   alloc["p50_vs_python"], "x", "<=", FLOOR_P50_RATIO),
+            figure("floor.allocate.cpu", f"Agent CPU per Allocate call (its process's utime + stime), {where}",
+                   agent_cpu, "ms", "<=", FLOOR_CPU_MS),
+            figure("floor.preferred.p99_ratio", f"GetPreferredAllocation p99, agent / Go floor, {where}",
+                   pref["p99_vs_go"], "x", "report"),
+            figure("floor.preferred.p50_ratio", f"GetPreferredAllocation p50, agent / empty Python server, {where}",
+                   pref["p50_vs_python"], "x", "report"),
+        ]
+        print(f"Allocate against the floor: agent p99 {alloc['p99_vs_go']}x the Go floor's, p50 "
+              f"{alloc['p50_vs_python']}x the empty Python server's, {agent_cpu} ms agent CPU per call; "
+              f"GetPreferredAllocation {pref['p99_vs_go']}x and {pref['p50_vs_python']}x", flush=True)
+
+    if want("process"):
+        print(f"agent process: {plan.process_allocations} Allocate calls, then {plan.idle_s:.0f} s idle ...",
+              flush=True)
+        with section("process"):
+            process = await grpc_bench.agent_process(
+                PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process")
+            )
+        details["process"] = process
+        calls = process["allocate"]["allocations"]
+        where = f"gpu-agent process --no-kube, {process['gpus']} GPUs ({PROCESS_PRESET})"
+        figures += [
+            figure("process.allocate.p50", f"Allocate p50, {where}", process["allocate"]["p50_ms"], "ms"),
+            figure("process.allocate.p99", f"Allocate p99, {where}", process["allocate"]["p99_ms"], "ms",
                    "<", ALLOCATE_P99_MS),
+            figure("process.rss.start", f"RSS after start, {where}",
+                   round(process["rss_after_start_bytes"] / MB, 1), "MB", "<", RSS_MB),
+            figure("process.rss.allocations", f"RSS after {calls:,} Allocate calls, {where}",
+                   round(process["rss_after_allocations_bytes"] / MB, 1), "MB", "<", RSS_MB),
+            figure("process.idle_cpu", f"Idle CPU over {process['idle']['wall_s']:.0f} s, {where}",
+                   process["idle"]["cpu_percent_of_core"], "% of a core", "<", IDLE_CPU_PERCENT),
         ]
-        print(f"{result['devices']} {what}: GetPreferredAllocation p50 {pref['p50_ms']} ms, p99 {pref['p99_ms']} ms "
-              f"({pref['valid_answers']}/{pref['calls']} answers valid); Allocate p50 {alloc['p50_ms']} ms, "
-              f"p99 {alloc['p99_ms']} ms ({time.monotonic() - started:.0f} s)", flush=True)
+        print(f"agent process: RSS {process['rss_after_start_bytes'] / MB:.1f} MB after start, "
+              f"{process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; "
+              f"Allocate p99 {process['allocate']['p99_ms']} ms; idle CPU {process['idle']['cpu_percent_of_core']} % "
+              "of a core", flush=True)
+    process_rows = len(figures)  # where the API-client process rows go
 
-    with section("health"):
-        health = await grpc_bench.health_to_list_and_watch(HEALTH_PRESET, plan.xid_injections, _rng(seed, "health"))
-    details["health"] = health
-    label = f"XID {health['xid']} to ListAndWatch update ({HEALTH_PRESET})"
-    figures += [
-        figure("health.p50", f"{label}, p50", health["p50_ms"], "ms"),
-        figure("health.p99", f"{label}, p99", health["p99_ms"], "ms", "<", HEALTH_MS),
-        figure("health.max", f"{label}, max", health["max_ms"], "ms", "<", HEALTH_MS),
-    ]
-    print(f"XID to ListAndWatch: p50 {health['p50_ms']} ms, p99 {health['p99_ms']} ms, max {health['max_ms']} ms "
-          f"over {health['calls']} injections on {health['agents']} agents", flush=True)
+    if want("apiserver"):
+        apiserver.ensure_testbin()
+        started = time.monotonic()
+        with apiserver.running(workdir / "apiserver", nodes=(RIG_NODE,)) as rig:
+            kubeconfig = rig.kubeconfig_path
+            details["apiserver"] = {"versions": apiserver.pinned_versions(), "node": RIG_NODE,
+                                    "start_s": round(time.monotonic() - started, 1)}
+            print(f"kube-apiserver and etcd up ({details['apiserver']['start_s']:.0f} s); XID {kube_bench.XID} to "
+                  f"taint, {plan.taint_injections} injections ...", flush=True)
+            with section("taint"):
+                taint = await kube_bench.xid_to_taint(kubeconfig, RIG_NODE, TAINT_PRESET, plan.taint_injections,
+                                                      _rng(seed, "taint"))
+            details["taint"] = taint
+            label = f"XID {taint['xid']} to the agent's taint on its Node in kube-apiserver ({TAINT_PRESET})"
+            figures += [
+                figure("taint.p50", f"{label}, p50", taint["p50_ms"], "ms"),
+                figure("taint.p99", f"{label}, p99", taint["p99_ms"], "ms", "<", TAINT_MS),
+                figure("taint.max", f"{label}, max", taint["max_ms"], "ms", "<", TAINT_MS),
+            ]
+            print(f"XID to taint: p50 {taint['p50_ms']} ms, p99 {taint['p99_ms']} ms, max {taint['max_ms']} ms over "
+                  f"{taint['calls']} injections; {plan.steady_state_s:.0f} s of steady state ...", flush=True)
 
-    with section("telemetry"):
-        tele = await telemetry_bench.telemetry(TELEMETRY_PRESET, plan.telemetry_passes, plan.telemetry_scrapes)
-    details["telemetry"] = tele
-    where = f"{tele['gpus']} GPUs ({TELEMETRY_PRESET}), {tele['held_gpus']} held by a pod"
-    figures += [
-        figure("telemetry.nvml_calls", f"NVML calls per telemetry pass, {where}", tele["nvml_calls_per_pass"],
-               "calls", "report"),
-        figure("telemetry.pass.wall_p50", f"Telemetry pass p50 (NVML thread shared with the health monitor), {where}",
-               tele["pass"]["p50_ms"], "ms", "report"),
-        figure("telemetry.pass.cpu_p99", f"Telemetry pass CPU time p99, {where}", tele["pass"]["cpu_p99_ms"], "ms",
-               "<", TELEMETRY_PASS_CPU_MS),
-        figure("telemetry.scrape.p99", f"/metrics scrape p99 with DCGM_FI_* on ({tele['dcgm_series']} series), {where}",
-               tele["scrape_dcgm_on"]["p99_ms"], "ms", "<", SCRAPE_P99_MS),
-        figure("telemetry.scrape_off.p99", f"/metrics scrape p99 with DCGM_FI_* off, {where}",
-               tele["scrape_dcgm_off"]["p99_ms"], "ms", "report"),
-    ]
-    print(f"telemetry: {tele['nvml_calls_per_pass']} NVML calls per pass, pass p50 {tele['pass']['p50_ms']} ms "
-          f"(CPU p99 {tele['pass']['cpu_p99_ms']} ms); scrape p99 {tele['scrape_dcgm_on']['p99_ms']} ms with "
-          f"DCGM_FI_* on, {tele['scrape_dcgm_off']['p99_ms']} ms off", flush=True)
+            with section("steady_state"):
+                steady = await kube_bench.steady_state(kubeconfig, RIG_NODE, STEADY_PRESET, plan.steady_state_s)
+            details["steady_state"] = steady
+            where = f"{steady['window_s']:.0f} s after the agent converged its Node ({STEADY_PRESET})"
+            figures += [
+                figure("steady.writes", f"API writes by the agent, {where}", steady["agent_writes"], "writes", "==", 0),
+                figure("steady.node_updates", f"Node updates seen on a watch, {where}", steady["node_updates_seen"],
+                       "updates", "==", 0),
+            ]
+            print(f"steady state: {steady['agent_writes']} agent writes, {steady['node_updates_seen']} node updates, "
+                  f"resourceVersion {steady['resource_version_before']} -> {steady['resource_version_after']} over "
+                  f"{steady['window_s']:.0f} s", flush=True)
 
-    with section("mig_apply"):
-        apply = mig_bench.apply_overhead(APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM, plan.mig_apply_runs)
-    details["mig_apply"] = apply
-    where = f"{APPLY_LAYOUT} from {APPLY_FROM}, {apply['gpus']} GPUs ({APPLY_PRESET}), p50 of {apply['runs']} runs"
-    figures += [
-        figure("mig_apply.total", f"MIG apply, total, {where}", apply["total_p50_ms"], "ms", "report"),
-        figure("mig_apply.inside_nvml", f"MIG apply, inside NVML calls, {where}", apply["inside_nvml_p50_ms"],
-               "ms", "report"),
-        figure("mig_apply.agent", f"MIG apply, total minus inside NVML (agent overhead), {where}",
-               apply["agent_p50_ms"], "ms", "report"),
-    ]
-    print(f"MIG apply {APPLY_LAYOUT}: p50 total {apply['total_p50_ms']} ms, inside NVML {apply['inside_nvml_p50_ms']} "
-          f"ms, agent {apply['agent_p50_ms']} ms over {apply['runs']} runs ({apply['nvml_calls_per_apply']} NVML "
-          "calls each)", flush=True)
+            print(f"agent process with the API client: {plan.process_allocations} Allocate calls, then "
+                  f"{plan.idle_s:.0f} s idle ...", flush=True)
 
-    print(f"Allocate against the floor: {plan.floor_rounds} rounds of {plan.floor_calls} calls per server and "
-          "method ...", flush=True)
-    with section("floor"):
-        floor = await grpc_bench.allocate_floor(FLOOR_PRESET, plan.floor_rounds, plan.floor_calls,
-                                                _rng(seed, "floor"))
-    details["floor"] = floor
-    alloc, pref = floor["ratios"]["allocate"], floor["ratios"]["preferred"]
-    agent_cpu = floor["pooled"]["allocate"]["agent"]["server_cpu_ms_per_call"]
-    where = f"{floor['devices']} GPUs ({FLOOR_PRESET}), Go client, {floor['rounds']} x {floor['calls']} calls"
-    figures += [
-        figure("floor.allocate.p99_ratio", f"Allocate p99, agent / Go floor, {where}", alloc["p99_vs_go"], "x",
-               "<=", FLOOR_P99_RATIO),
-        figure("floor.allocate.p50_ratio", f"Allocate p50, agent / empty Python server, {where}",
-               alloc["p50_vs_python"], "x", "<=", FLOOR_P50_RATIO),
-        figure("floor.allocate.cpu", f"Agent CPU per Allocate call (its process's utime + stime), {where}",
-               agent_cpu, "ms", "<=", FLOOR_CPU_MS),
-        figure("floor.preferred.p99_ratio", f"GetPreferredAllocation p99, agent / Go floor, {where}",
-               pref["p99_vs_go"], "x", "report"),
-        figure("floor.preferred.p50_ratio", f"GetPreferredAllocation p50, agent / empty Python server, {where}",
-               pref["p50_vs_python"], "x", "report"),
-    ]
-    print(f"Allocate against the floor: agent p99 {alloc['p99_vs_go']}x the Go floor's, p50 "
-          f"{alloc['p50_vs_python']}x the empty Python server's, {agent_cpu} ms agent CPU per call; "
-          f"GetPreferredAllocation {pref['p99_vs_go']}x and {pref['p50_vs_python']}x", flush=True)
+            async def converged() -> None:
+                await kube_bench.wait_condition_written(kubeconfig, RIG_NODE)
 
-    print(f"agent process: {plan.process_allocations} Allocate calls, then {plan.idle_s:.0f} s idle ...", flush=True)
-    with section("process"):
-        process = await grpc_bench.agent_process(
-            PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process")
-        )
-    details["process"] = process
-    calls = process["allocate"]["allocations"]
-    where = f"gpu-agent process --no-kube, {process['gpus']} GPUs ({PROCESS_PRESET})"
-    figures += [
-        figure("process.allocate.p50", f"Allocate p50, {where}", process["allocate"]["p50_ms"], "ms"),
-        figure("process.allocate.p99", f"Allocate p99, {where}", process["allocate"]["p99_ms"], "ms",
-               "<", ALLOCATE_P99_MS),
-        figure("process.rss.start", f"RSS after start, {where}",
-               round(process["rss_after_start_bytes"] / MB, 1), "MB", "<", RSS_MB),
-        figure("process.rss.allocations", f"RSS after {calls:,} Allocate calls, {where}",
-               round(process["rss_after_allocations_bytes"] / MB, 1), "MB", "<", RSS_MB),
-        figure("process.idle_cpu", f"Idle CPU over {process['idle']['wall_s']:.0f} s, {where}",
-               process["idle"]["cpu_percent_of_core"], "% of a core", "<", IDLE_CPU_PERCENT),
-    ]
-    print(f"agent process: RSS {process['rss_after_start_bytes'] / MB:.1f} MB after start, "
-          f"{process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; "
-          f"Allocate p99 {process['allocate']['p99_ms']} ms; idle CPU {process['idle']['cpu_percent_of_core']} % "
-          "of a core", flush=True)
-    process_rows = len(figures)
-
-    apiserver.ensure_testbin()
-    started = time.monotonic()
-    with apiserver.running(workdir / "apiserver", nodes=(RIG_NODE,)) as rig:
-        kubeconfig = rig.kubeconfig_path
-        details["apiserver"] = {"versions": apiserver.pinned_versions(), "node": RIG_NODE,
-                                "start_s": round(time.monotonic() - started, 1)}
-        print(f"kube-apiserver and etcd up ({details['apiserver']['start_s']:.0f} s); XID {kube_bench.XID} to "
-              f"taint, {plan.taint_injections} injections ...", flush=True)
-        with section("taint"):
-            taint = await kube_bench.xid_to_taint(kubeconfig, RIG_NODE, TAINT_PRESET, plan.taint_injections,
-                                                  _rng(seed, "taint"))
-        details["taint"] = taint
-        label = f"XID {taint['xid']} to the agent's taint on its Node in kube-apiserver ({TAINT_PRESET})"
-        figures += [
-            figure("taint.p50", f"{label}, p50", taint["p50_ms"], "ms"),
-            figure("taint.p99", f"{label}, p99", taint["p99_ms"], "ms", "<", TAINT_MS),
-            figure("taint.max", f"{label}, max", taint["max_ms"], "ms", "<", TAINT_MS),
+            with section("process_kube"):
+                await kube_bench.reset_condition(kubeconfig, RIG_NODE)
+                kube_process = await grpc_bench.agent_process(
+                    PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process"),
+                    grpc_bench.ApiTarget(kubeconfig, RIG_NODE, converged),
+                )
+        details["process_kube"] = kube_process
+        calls = kube_process["allocate"]["allocations"]
+        where = (f"gpu-agent process with the API client (kube-apiserver), {kube_process['gpus']} GPUs "
+                 f"({PROCESS_PRESET})")
+        # Next to the --no-kube rows, so the page shows the two side by side.
+        figures[process_rows:process_rows] = [
+            figure("process_kube.rss.start", f"RSS after start and converging the Node, {where}",
+                   round(kube_process["rss_after_start_bytes"] / MB, 1), "MB", "<", RSS_MB),
+            figure("process_kube.rss.allocations", f"RSS after {calls:,} Allocate calls, {where}",
+                   round(kube_process["rss_after_allocations_bytes"] / MB, 1), "MB", "<", RSS_MB),
+            figure("process_kube.idle_cpu", f"Idle CPU over {kube_process['idle']['wall_s']:.0f} s, {where}",
+                   kube_process["idle"]["cpu_percent_of_core"], "% of a core", "<", IDLE_CPU_PERCENT),
         ]
-        print(f"XID to taint: p50 {taint['p50_ms']} ms, p99 {taint['p99_ms']} ms, max {taint['max_ms']} ms over "
-              f"{taint['calls']} injections; {plan.steady_state_s:.0f} s of steady state ...", flush=True)
-
-        with section("steady_state"):
-            steady = await kube_bench.steady_state(kubeconfig, RIG_NODE, STEADY_PRESET, plan.steady_state_s)
-        details["steady_state"] = steady
-        where = f"{steady['window_s']:.0f} s after the agent converged its Node ({STEADY_PRESET})"
-        figures += [
-            figure("steady.writes", f"API writes by the agent, {where}", steady["agent_writes"], "writes", "==", 0),
-            figure("steady.node_updates", f"Node updates seen on a watch, {where}", steady["node_updates_seen"],
-                   "updates", "==", 0),
-        ]
-        print(f"steady state: {steady['agent_writes']} agent writes, {steady['node_updates_seen']} node updates, "
-              f"resourceVersion {steady['resource_version_before']} -> {steady['resource_version_after']} over "
-              f"{steady['window_s']:.0f} s", flush=True)
-
-        print(f"agent process with the API client: {plan.process_allocations} Allocate calls, then "
-              f"{plan.idle_s:.0f} s idle ...", flush=True)
-
-        async def converged() -> None:
-            await kube_bench.wait_condition_written(kubeconfig, RIG_NODE)
-
-        with section("process_kube"):
-            await kube_bench.reset_condition(kubeconfig, RIG_NODE)
-            kube_process = await grpc_bench.agent_process(
-                PROCESS_PRESET, plan.process_allocations, plan.idle_s, _rng(seed, "process"),
-                grpc_bench.ApiTarget(kubeconfig, RIG_NODE, converged),
-            )
-    details["process_kube"] = kube_process
-    calls = kube_process["allocate"]["allocations"]
-    where = f"gpu-agent process with the API client (kube-apiserver), {kube_process['gpus']} GPUs ({PROCESS_PRESET})"
-    # Next to the --no-kube rows, so the page shows the two side by side.
-    figures[process_rows:process_rows] = [
-        figure("process_kube.rss.start", f"RSS after start and converging the Node, {where}",
-               round(kube_process["rss_after_start_bytes"] / MB, 1), "MB", "<", RSS_MB),
-        figure("process_kube.rss.allocations", f"RSS after {calls:,} Allocate calls, {where}",
-               round(kube_process["rss_after_allocations_bytes"] / MB, 1), "MB", "<", RSS_MB),
-        figure("process_kube.idle_cpu", f"Idle CPU over {kube_process['idle']['wall_s']:.0f} s, {where}",
-               kube_process["idle"]["cpu_percent_of_core"], "% of a core", "<", IDLE_CPU_PERCENT),
-    ]
-    print(f"agent process with the API client: RSS {kube_process['rss_after_start_bytes'] / MB:.1f} MB after start, "
-          f"{kube_process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; idle CPU "
-          f"{kube_process['idle']['cpu_percent_of_core']} % of a core", flush=True)
+        print(f"agent process with the API client: RSS {kube_process['rss_after_start_bytes'] / MB:.1f} MB after "
+              "start, "
+              f"{kube_process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; idle CPU "
+              f"{kube_process['idle']['cpu_percent_of_core']} % of a core", flush=True)
     return figures, details
 
 
@@ -405,14 +433,29 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure misses its budget")
     parser.add_argument("--no-cluster", action="store_true",
                         help="leave out the figures on a real single-node cluster (they need root)")
+    parser.add_argument("--only", metavar="SECTION[,SECTION...]",
+                        help=f"measure only these sections ({', '.join(SECTIONS)}) and leave out the cluster: the "
+                             "figures are printed and written to --out (default bench/out/only.json), never to "
+                             "--doc")
     args = parser.parse_args()
+    only = None
+    if args.only is not None:
+        only = frozenset(name.strip() for name in args.only.split(",") if name.strip())
+        unknown = sorted(only - set(SECTIONS))
+        if unknown or not only:
+            parser.error(f"--only: unknown section(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(SECTIONS)}")
+        if args.out == ROOT / "bench" / "results.json":
+            args.out = ROOT / "bench" / "out" / "only.json"
 
     plan = QUICK if args.quick else FULL
     facts = machine()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-agent-bench-") as tmp, grpc_bench.quiet_logs(Path(tmp) / "agent.log"):
-        figures, details = asyncio.run(measure(plan, args.seed, Path(tmp)))
-    if args.no_cluster:
+        figures, details = asyncio.run(measure(plan, args.seed, Path(tmp), only))
+    if only is not None:
+        print(f"single-node cluster: not measured (--only {args.only})", flush=True)
+    elif args.no_cluster:
         print("single-node cluster: not measured (--no-cluster)", flush=True)
     else:
         runs = 2 if args.quick else 5
@@ -425,7 +468,7 @@ def main() -> int:
         figures += cluster_bench.figures(details["cluster"], figure)
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {
-        "generated_by": "bench/run.py" + (" --quick" if args.quick else ""),
+        "generated_by": "bench/run.py" + (" --quick" if args.quick else "") + (f" --only {args.only}" if only else ""),
         "mode": "quick" if args.quick else "full",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "duration_s": round(time.monotonic() - started, 1),
@@ -445,11 +488,13 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    args.doc.parent.mkdir(parents=True, exist_ok=True)
-    args.doc.write_text(report.render(results))
+    written = str(args.out)
+    if only is None:
+        args.doc.parent.mkdir(parents=True, exist_ok=True)
+        args.doc.write_text(report.render(results))
+        written += f" and {args.doc}"
     failed = [f["figure"] for f in figures if f["verdict"] == "fail"]
-    print(f"{len(figures)} figures, {len(failed)} over budget; written to {args.out} and {args.doc} "
-          f"({results['duration_s']:.0f} s)")
+    print(f"{len(figures)} figures, {len(failed)} over budget; written to {written} ({results['duration_s']:.0f} s)")
     for name in failed:
         print(f"  over budget: {name}")
     return 1 if failed and args.check else 0

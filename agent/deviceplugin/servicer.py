@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
-from agent.deviceplugin.response import NodeFiles, RequestError, container_response
+from agent.deviceplugin.response import NodeFiles, RequestError, ResponseBuilder
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import Device, Resource, ResourcePlan
 from agent.metrics import Metrics
@@ -51,23 +52,48 @@ def to_proto(devices: tuple[Device, ...]) -> api_pb2.ListAndWatchResponse:
     )
 
 
+class DeviceIndex:
+    """The devices of one resource in one NodeState by ID, built once per device tuple and shared by the calls
+    (the tuple is immutable, so the index is too)."""
+
+    def __init__(self, resource: str, devices: tuple[Device, ...]) -> None:
+        self.resource = resource
+        self.devices = devices
+        self.known = {d.id: d for d in devices}
+        self.unhealthy = frozenset(d.id for d in devices if not d.healthy)
+        self.short = all(len(i) <= MAX_ID_LENGTH for i in self.known)
+
+    def lookup(self, ids: Sequence[str], *, need_healthy: bool) -> list[Device]:
+        """The devices named by `ids`, duplicates removed, order kept; RequestError on an unknown or unhealthy ID
+        (the first in the request's order)."""
+        unique = dict.fromkeys(ids)
+        if self.short and not (need_healthy and self.unhealthy and not self.unhealthy.isdisjoint(unique)):
+            try:
+                return list(map(self.known.__getitem__, unique))
+            except KeyError:
+                pass
+        return self._refuse(ids, need_healthy)
+
+    def _refuse(self, ids: Sequence[str], need_healthy: bool) -> list[Device]:
+        found: dict[str, Device] = {}
+        for device_id in ids:
+            if len(device_id) > MAX_ID_LENGTH:
+                raise RequestError(
+                    f"device ID {device_id[:20]!r}... is {len(device_id)} characters; IDs have at most {MAX_ID_LENGTH}"
+                )
+            device = self.known.get(device_id)
+            if device is None:
+                raise RequestError(f"unknown device ID {device_id!r} for resource {self.resource}")
+            if need_healthy and not device.healthy:
+                why = f": {device.reason}" if device.reason else ""
+                raise RequestError(f"device {device_id} of resource {self.resource} is unhealthy{why}")
+            found.setdefault(device_id, device)
+        return list(found.values())
+
+
 def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, need_healthy: bool) -> list[Device]:
     """The devices named by `ids`, duplicates removed, order kept; RequestError on an unknown or unhealthy ID."""
-    known = {d.id: d for d in devices}
-    found: dict[str, Device] = {}
-    for device_id in ids:
-        if len(device_id) > MAX_ID_LENGTH:
-            raise RequestError(
-                f"device ID {device_id[:20]!r}... is {len(device_id)} characters; IDs have at most {MAX_ID_LENGTH}"
-            )
-        device = known.get(device_id)
-        if device is None:
-            raise RequestError(f"unknown device ID {device_id!r} for resource {resource}")
-        if need_healthy and not device.healthy:
-            why = f": {device.reason}" if device.reason else ""
-            raise RequestError(f"device {device_id} of resource {resource} is unhealthy{why}")
-        found.setdefault(device_id, device)
-    return list(found.values())
+    return DeviceIndex(resource, devices).lookup(ids, need_healthy=need_healthy)
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
@@ -91,6 +117,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._generation = _Generation()
         self._streams = 0
         self._lock = threading.Lock()
+        self._index: tuple[Resource, DeviceIndex] | None = None
+        """(resource, its index) in one attribute: the handler threads share it and replace it whole."""
+        self._builder: tuple[NodeState, ResponseBuilder] | None = None
+        """(state, the Allocate response builder for it), likewise."""
+        self._counters: dict[str, Any] = {}
+        """The metrics' children for this resource, by metric: prometheus_client's labels() is slow per call."""
 
     def open(self) -> None:
         """Streams opened from now on run until close()."""
@@ -106,6 +138,35 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
 
     def devices(self) -> tuple[Device, ...]:
         return self._resource(self._bus.current).devices
+
+    def _indexed(self, state: NodeState) -> tuple[Resource, DeviceIndex]:
+        """The resource in `state` and its device index, rebuilt only when the resource's devices change."""
+        resource = self._resource(state)
+        cached = self._index
+        if cached is None or cached[0] is not resource:
+            if cached is not None and cached[1].devices == resource.devices:
+                cached = (resource, cached[1])
+            else:
+                cached = (resource, DeviceIndex(self.resource, resource.devices))
+            self._index = cached
+        return cached
+
+    def _responses(self, state: NodeState) -> ResponseBuilder:
+        cached = self._builder
+        if cached is None or cached[0] is not state:
+            if cached is not None and cached[1].inventory is state.inventory and cached[1].config is state.config:
+                cached = (state, cached[1])
+            else:
+                cached = (state, ResponseBuilder(state.inventory, state.config, self._files))
+            self._builder = cached
+        return cached[1]
+
+    def _counter(self, name: str) -> Any:
+        """The child of metric `name` for this resource, made on first use (a series appears once counted)."""
+        child = self._counters.get(name)
+        if child is None:
+            child = self._counters[name] = getattr(self._metrics, name).labels(resource=self.resource)
+        return child
 
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -159,23 +220,22 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
-        resource = self._resource(self._bus.current)
+        resource, index = self._indexed(self._bus.current)
         devices = resource.devices
         prefer = self._prefer_for(resource)
         responses = []
         try:
             for creq in request.container_requests:
-                available = [d.id for d in lookup(self.resource, devices, creq.available_deviceIDs,
-                                                  need_healthy=False)]
-                must = [d.id for d in lookup(self.resource, devices, creq.must_include_deviceIDs,
-                                             need_healthy=False)]
+                available = [d.id for d in index.lookup(creq.available_deviceIDs, need_healthy=False)]
+                must = [d.id for d in index.lookup(creq.must_include_deviceIDs, need_healthy=False)]
                 size = creq.allocation_size
-                outside = [i for i in must if i not in set(available)]
+                offered = set(available)
+                outside = [i for i in must if i not in offered]
                 if outside:
                     # The kubelet offers every must-include device among the available ones.
                     raise RequestError(f"must-include device {outside[0]} of {self.resource} is not among the "
                                        "available devices")
-                pool = set(available) | set(must)
+                pool = offered | set(must)
                 if size < 1 or size > len(pool) or len(must) > size:
                     raise RequestError(
                         f"cannot choose {size} device(s) of {self.resource} from {len(pool)} available "
@@ -191,26 +251,28 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
     ) -> api_pb2.AllocateResponse:
         state = self._bus.current
-        resource = self._resource(state)
-        responses = []
+        resource, index = self._indexed(state)
+        builder = self._responses(state)
+        response = api_pb2.AllocateResponse()
         try:
             for creq in request.container_requests:
-                if not creq.devices_ids:
+                ids = creq.devices_ids
+                if not ids:
                     raise RequestError(f"allocate request for {self.resource} names no devices")
-                if resource.fail_requests_greater_than_one and len(creq.devices_ids) > 1:
+                if resource.fail_requests_greater_than_one and len(ids) > 1:
                     raise RequestError(
                         f"invalid request: maximum request size for shared resource {self.resource} is 1; "
-                        f"found {len(creq.devices_ids)}"
+                        f"found {len(ids)}"
                     )
-                chosen = lookup(self.resource, resource.devices, creq.devices_ids, need_healthy=True)
-                responses.append(container_response(chosen, resource, state.inventory, state.config, self._files))
+                chosen = index.lookup(ids, need_healthy=True)
+                builder.fill(response.container_responses.add(), chosen, resource)
                 if self._metrics:
-                    self._metrics.allocations.labels(resource=self.resource).inc(len(chosen))
+                    self._counter("allocations").inc(len(chosen))
         except RequestError as err:
             if self._metrics:
-                self._metrics.allocate_errors.labels(resource=self.resource).inc()
+                self._counter("allocate_errors").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return api_pb2.AllocateResponse(container_responses=responses)
+        return response
 
     def PreStartContainer(
         self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext

@@ -15,12 +15,12 @@ bounded greedy search (see `docs/allocation.md`).
 from __future__ import annotations
 
 import functools
-import heapq
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
-from typing import Literal, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 from agent.topology.model import Topology
 
@@ -382,6 +382,36 @@ def _swap_improve(
 # Time-sliced replicas
 
 
+@dataclass(frozen=True)
+class ReplicaIndex:
+    """What `preferred_shared` derives from a resource's replicas alone, checked against the topology: each
+    replica's rank in `replica_order` (equal keys, equal ranks) and each GPU's replica count. Built once per
+    resource by `replica_index` and passed to every call, so that a call sorts small integers, not keys."""
+
+    replicas: Mapping[str, int]
+    topo: Topology
+    rank: Mapping[str, int]
+    total: Mapping[int, int]
+
+
+def replica_index(topo: Topology, replicas: Mapping[str, int]) -> ReplicaIndex:
+    gpu_count = topo.gpu_count
+    total: dict[int, int] = {}
+    for rid, gpu in replicas.items():
+        if not _is_index(gpu) or gpu >= gpu_count:
+            raise AllocationError(f"replica {rid!r} is on GPU {gpu!r}, which the topology does not have")
+        total[gpu] = total.get(gpu, 0) + 1
+    rank: dict[str, int] = {}
+    previous: tuple[tuple[int, str, int], ...] | None = None
+    level = -1
+    for rid in sorted(replicas, key=replica_order):
+        key = replica_order(rid)
+        if key != previous:
+            level, previous = level + 1, key
+        rank[rid] = level
+    return ReplicaIndex(replicas, topo, rank, total)
+
+
 def preferred_shared(
     topo: Topology,
     replicas: Mapping[str, int],
@@ -389,6 +419,7 @@ def preferred_shared(
     must_include: Sequence[str],
     size: int,
     policy: SharingPolicy = "distributed",
+    index: ReplicaIndex | None = None,
 ) -> list[str]:
     """The preferred `size` replicas of a time-sliced resource, sorted by `replica_order`.
 
@@ -403,17 +434,19 @@ def preferred_shared(
       with the most replicas already allocated (then the best score towards the GPUs used, lowest index).
 
     Within a GPU the lowest replicas by `replica_order` are taken.
+
+    `index` is `replica_index(topo, replicas)`, made once for many calls; without it the call makes its own.
     """
     if policy not in ("distributed", "packed"):
         raise AllocationError(f"unknown sharing policy {policy!r}; use 'distributed' or 'packed'")
-    for rid, gpu in replicas.items():
-        if not _is_index(gpu) or gpu >= topo.gpu_count:
-            raise AllocationError(f"replica {rid!r} is on GPU {gpu!r}, which the topology does not have")
-    offered_ids, required = _request(available, must_include, size, lambda r: r in replicas, "replica id")
-    required.sort(key=replica_order)
-    offered = _by_gpu(offered_ids, replicas.__getitem__)
-    total = _by_gpu(replicas, replicas.__getitem__)
-    load = {g: len(total[g]) - len(offered[g]) for g in offered}
+    if index is None or index.replicas is not replicas or index.topo is not topo:
+        index = replica_index(topo, replicas)
+    rank = index.rank.__getitem__
+    offered_ids, required = _request(available, must_include, size, replicas.__contains__, "replica id")
+    required.sort(key=rank)
+    offered = _by_gpu(offered_ids, replicas.__getitem__, rank)
+    total = index.total
+    load = {g: total[g] - len(offered[g]) for g in offered}
     picked: dict[int, list[str]] = {}
     for rid in required:
         picked.setdefault(replicas[rid], []).append(rid)
@@ -422,7 +455,7 @@ def preferred_shared(
         _spread(topo, offered, load, picked, still)
     else:
         _pack(topo, offered, load, picked, still)
-    return sorted((rid for ids in picked.values() for rid in ids), key=replica_order)
+    return sorted((rid for ids in picked.values() for rid in ids), key=rank)
 
 
 def _take(offered: Mapping[int, list[str]], picked: dict[int, list[str]], gpu: int, count: int) -> None:
@@ -454,19 +487,42 @@ def _spread(
             if g not in picked:
                 _take(offered, picked, g, 1)
         still -= new
-    # One replica at a time to the GPU with the lowest load counting this request, lowest index first; the
-    # heap makes that O(still * log GPUs), and each GPU's replicas are taken in one go at the end.
-    extra: dict[int, int] = {}
-    heap = [(load[g] + len(picked.get(g, ())), g) for g in offered if len(picked.get(g, ())) < len(offered[g])]
-    heapq.heapify(heap)
-    while still:
-        level, g = heapq.heappop(heap)
-        extra[g] = extra.get(g, 0) + 1
-        still -= 1
-        if len(picked.get(g, ())) + extra[g] < len(offered[g]):
-            heapq.heappush(heap, (level + 1, g))
-    for g, count in extra.items():
-        _take(offered, picked, g, count)
+    if still:
+        for g, count in _fill(offered, load, picked, still).items():
+            _take(offered, picked, g, count)
+
+
+def _fill(offered: Mapping[int, list[str]], load: Mapping[int, int], picked: Mapping[int, list[str]],
+          still: int) -> dict[int, int]:
+    """How many more replicas each GPU gives when `still` replicas go one at a time to the GPU with the lowest
+    load counting this request, lowest index first (a GPU leaves once its offered replicas are all taken).
+
+    The one-at-a-time order takes the `still` smallest (level, GPU) pairs, a GPU holding the levels from its
+    load up: so every GPU fills up to one common level, found by bisection, and the GPUs at that level get one
+    more each, lowest index first, until `still` is used up. O(GPUs * log replicas), not O(still * log GPUs)."""
+    start = {g: load[g] + len(picked.get(g, ())) for g in offered}
+    room = {g: len(offered[g]) - len(picked.get(g, ())) for g in offered if len(picked.get(g, ())) < len(offered[g])}
+
+    def below(level: int) -> int:
+        """Replicas given with every GPU filled up to `level` (exclusive)."""
+        return sum(min(max(level - start[g], 0), free) for g, free in room.items())
+
+    low, high = min(start[g] for g in room), max(start[g] + free for g, free in room.items())
+    while low < high:
+        middle = (low + high + 1) // 2
+        if below(middle) <= still:
+            low = middle
+        else:
+            high = middle - 1
+    extra = {g: min(max(low - start[g], 0), free) for g, free in room.items()}
+    left = still - sum(extra.values())
+    for g in sorted(room):
+        if left == 0:
+            break
+        if start[g] <= low < start[g] + room[g]:
+            extra[g] += 1
+            left -= 1
+    return {g: count for g, count in extra.items() if count}
 
 
 def _pack(
@@ -583,9 +639,10 @@ def replica_order(device_id: str) -> tuple[tuple[int, str, int], ...]:
     )
 
 
-def _by_gpu(ids: Iterable[str], gpu_of: Callable[[str], int]) -> dict[int, list[str]]:
+def _by_gpu(ids: Iterable[str], gpu_of: Callable[[str], int],
+            order: Callable[[str], Any] = replica_order) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
-    for did in sorted(ids, key=replica_order):
+    for did in sorted(ids, key=order):
         out.setdefault(gpu_of(did), []).append(did)
     return out
 
@@ -600,6 +657,21 @@ def _request(
     """Validate a request; return (candidates, required). Candidates include `must_include`."""
     if not _is_index(size) or size < 1:
         raise AllocationError(f"size must be a positive integer, got {size!r}")
+    offered, required = set(available), set(must_include)
+    if len(offered) < len(available) or len(required) < len(must_include) or not all(map(known, offered | required)):
+        _refuse(available, must_include, known, what)
+    if len(must_include) > size:
+        raise AllocationError(
+            f"must_include has {len(must_include)} entries, more than the requested size {size}"
+        )
+    candidates = offered | required
+    if size > len(candidates):
+        raise AllocationError(f"size {size} is more than the {len(candidates)} candidates offered")
+    return candidates, list(must_include)
+
+
+def _refuse(available: Sequence[_Id], must_include: Sequence[_Id], known: Callable[[_Id], bool], what: str) -> NoReturn:
+    """The AllocationError for the first unknown or repeated id, in the request's order."""
     for name, ids in (("available", available), ("must_include", must_include)):
         seen: set[_Id] = set()
         for item in ids:
@@ -608,11 +680,4 @@ def _request(
             if item in seen:
                 raise AllocationError(f"{name}: {what} {item!r} is listed twice")
             seen.add(item)
-    if len(must_include) > size:
-        raise AllocationError(
-            f"must_include has {len(must_include)} entries, more than the requested size {size}"
-        )
-    candidates = set(available) | set(must_include)
-    if size > len(candidates):
-        raise AllocationError(f"size {size} is more than the {len(candidates)} candidates offered")
-    return candidates, list(must_include)
+    raise AssertionError("an unknown or repeated id was found, and then not")

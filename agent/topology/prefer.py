@@ -7,10 +7,12 @@ from collections.abc import Callable, Sequence
 from agent.inventory import Device, Resource
 from agent.nvml.records import NodeInventory
 from agent.state import NodeState
-from agent.topology.allocator import preferred_gpus, preferred_mig, preferred_shared
+from agent.topology.allocator import ReplicaIndex, preferred_gpus, preferred_mig, preferred_shared, replica_index
 from agent.topology.model import Topology
 
 Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]
+ANSWERS_KEPT = 4096
+"""Whole-GPU answers kept per device set (a few hundred bytes each); the cache starts over when full."""
 
 
 def topology_of(inventory: NodeInventory) -> Topology:
@@ -29,6 +31,12 @@ class Preferences:
         self._current = current
         self._cached: tuple[NodeInventory, Topology] | None = None
         """(inventory, its topology) in one attribute: gRPC handler threads share it."""
+        self._answers: tuple[tuple[Device, ...], Topology, dict[str, int], dict[int, str],
+                             dict[tuple[frozenset[str], frozenset[str], int], list[str]]] | None = None
+        """(devices, topology, id -> GPU index, GPU index -> id, answers by request) for whole GPUs: the best
+        set is a pure function of the request, and the kubelet asks the same questions again and again."""
+        self._replicas: tuple[tuple[Device, ...], Topology, dict[str, int], ReplicaIndex] | None = None
+        """(devices, topology, replica id -> GPU index, its ReplicaIndex) of the last replica resource asked."""
 
     def topology(self) -> Topology:
         inventory = self._current().inventory
@@ -48,23 +56,49 @@ class Preferences:
         return self._gpus
 
     def _gpus(self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:
-        index = {d.id: d.gpu_index for d in devices}
-        by_index = {d.gpu_index: d.id for d in devices}
-        chosen = preferred_gpus(self.topology(), [index[i] for i in available], [index[i] for i in must], size)
-        return [by_index[i] for i in chosen]
+        topo = self.topology()
+        cached = self._answers
+        if cached is None or cached[0] is not devices or cached[1] is not topo:
+            cached = (devices, topo, {d.id: d.gpu_index for d in devices}, {d.gpu_index: d.id for d in devices}, {})
+            self._answers = cached
+        _, _, index, by_index, answers = cached
+        # The answer depends on the sets offered and required only; a request repeating an ID is left to
+        # preferred_gpus, which refuses it.
+        key = (frozenset(available), frozenset(must), size)
+        if len(key[0]) == len(available) and len(key[1]) == len(must):
+            chosen = answers.get(key)
+            if chosen is None:
+                chosen = [by_index[i] for i in preferred_gpus(topo, [index[i] for i in available],
+                                                              [index[i] for i in must], size)]
+                if len(answers) >= ANSWERS_KEPT:
+                    answers.clear()
+                answers[key] = chosen
+            return list(chosen)
+        return [by_index[i] for i in preferred_gpus(topo, [index[i] for i in available], [index[i] for i in must],
+                                                    size)]
+
+    def _replica_index(self, devices: tuple[Device, ...]) -> ReplicaIndex:
+        """The replicas of `devices` indexed once per device tuple and topology (both immutable)."""
+        topo = self.topology()
+        cached = self._replicas
+        if cached is None or cached[0] is not devices or cached[1] is not topo:
+            replicas = {d.id: d.gpu_index for d in devices}
+            cached = (devices, topo, replicas, replica_index(topo, replicas))
+            self._replicas = cached
+        return cached[3]
 
     def _shared(
         self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int
     ) -> list[str]:
         policy = self._current().config.allocation_policy
-        replicas = {d.id: d.gpu_index for d in devices}
-        return preferred_shared(self.topology(), replicas, available, must, size, policy)
+        index = self._replica_index(devices)
+        return preferred_shared(index.topo, index.replicas, available, must, size, policy, index)
 
     def _packed(
         self, devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int
     ) -> list[str]:
-        replicas = {d.id: d.gpu_index for d in devices}
-        return preferred_shared(self.topology(), replicas, available, must, size, "packed")
+        index = self._replica_index(devices)
+        return preferred_shared(index.topo, index.replicas, available, must, size, "packed", index)
 
     @staticmethod
     def _mig(devices: tuple[Device, ...], available: Sequence[str], must: Sequence[str], size: int) -> list[str]:

@@ -118,3 +118,18 @@ async def test_a_reloaded_taint_that_is_not_tolerated_is_one_warning(caplog: pyt
                    "gpu-node-agent/gpu-node-agent-x7k2p (once the agent restarts on a node it tainted, its pod cannot "
                    "come back and the node never recovers); add {key: gpu-node-agent.io/x, operator: Exists} to the "
                    "DaemonSet's tolerations, or set health.taint to a taint the pod tolerates")]
+
+
+def test_the_checked_value_is_the_one_the_agent_taints_with() -> None:
+    # An Equal toleration is matched against the value of the taint the reconciler writes.
+    from agent.kube.reconciler import TaintPolicy, node_intent
+    from agent.state import DeviceHealth
+    from tests.unit.test_inventory import node
+
+    state = node("single-h200")
+    uuid = state.inventory.gpus[0].uuid
+    faulty = state.evolve(health={uuid: DeviceHealth(False, "XID 79", node_fatal=True)})
+    intent = node_intent(faulty, {}, TaintPolicy(KEY, "NoExecute"))
+    assert intent.taint == {"key": KEY, "value": "true", "effect": "NoExecute"}
+    equal = [{"key": KEY, "operator": "Equal", "value": "true", "effect": "NoExecute"}]
+    assert problem(equal, KEY, "NoExecute") is None
