@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -42,6 +42,7 @@ class NotTolerated(Exception):
     """The agent's pod does not tolerate the configured taint; the message is one line naming the toleration."""
 
 
+@runtime_checkable
 class PodReader(Protocol):
     async def get_pod(self, namespace: str, name: str, timeout: float = ...) -> dict[str, Any]: ...
 
@@ -135,9 +136,11 @@ async def check_at_start(api: PodReader, taint: TaintSettings, env: Mapping[str,
         log.log(level, "%s", line)
 
 
-async def check_reloaded(api: PodReader | None, taint: TaintSettings, env: Mapping[str, str] = os.environ) -> bool:
-    """After a config reload: one warning line when the pod does not tolerate the new taint. False then."""
-    if api is None:
+async def check_reloaded(api: object, taint: TaintSettings, env: Mapping[str, str] = os.environ) -> bool:
+    """After a config reload: one warning line when the pod does not tolerate the new taint. False then.
+    `api` is the agent's API client (AgentOptions.kube); without one that reads Pods (None under --no-kube),
+    nothing is checked."""
+    if not isinstance(api, PodReader):
         return True
     level, line = await _verdict(api, taint, env)
     if level == logging.ERROR:
