@@ -63,6 +63,8 @@ def rolled_out(cluster: Cluster) -> None:
 def dra_node(cluster: Cluster) -> Iterator[Cluster]:
     """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left."""
     assert cluster.allocatable() == "8"
+    before = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
+              cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
     started = time.monotonic()
     cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
     try:
@@ -78,11 +80,10 @@ def dra_node(cluster: Cluster) -> Iterator[Cluster]:
         rolled_out(cluster)
         eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
         TIMES["device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
-    pod = cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"]
-    assert [v["name"] for v in pod["volumes"]] == ["device-plugins", "pod-resources", "state", "nvidia-caps",
-                                                   "config", "tmp"]
-    config = cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"]["config.yaml"]
-    assert "dra" not in config
+    # The DaemonSet's pods and the config exactly as before: no DRA mount, no dra key.
+    after = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
+             cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
+    assert after == before
     assert not REGISTRATION_SOCKET.exists()
     # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
     eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
