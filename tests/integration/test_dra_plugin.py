@@ -270,7 +270,8 @@ async def test_opaque_config_of_the_class_and_the_claim_reaches_the_containers_a
 
 SHARED_CLASS = "shared.gpu-node-agent.io"
 OTHER_NAMESPACE = "dra-test-other"
-ONE_SHARE = {"devices": {"requests": [{"name": "share", "exactly": {"deviceClassName": SHARED_CLASS, "count": 1}}]}}
+ONE_SHARE = example("one-gpu-share.yaml")
+"""One replica of the shared DeviceClass (the shipped template's claim spec)."""
 
 
 async def test_time_sliced_replicas_go_to_claims_of_two_namespaces_and_each_sees_the_gpu(
