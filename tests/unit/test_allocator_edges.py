@@ -76,3 +76,31 @@ def test_mig_device_with_a_bad_parent_index_is_named() -> None:
     with pytest.raises(AllocationError) as caught:
         preferred_mig({"mig-a": (-1, 0)}, ["mig-a"], [], 1)
     assert str(caught.value) == "MIG device 'mig-a': parent GPU index -1 is not a non-negative integer"
+
+
+def test_mig_one_node_that_cannot_serve_does_not_push_the_request_onto_two() -> None:
+    # Node 0 has one GPU with two devices, node 1 two such GPUs: three devices fit on node 1 alone.
+    devices = {f"mig-{g}-{i}": (g, 0 if g == 0 else 1) for g in range(3) for i in range(2)}
+    assert preferred_mig(devices, list(devices), [], 3) == ["mig-1-0", "mig-1-1", "mig-2-0"]
+
+
+def test_mig_must_include_gpus_give_only_what_the_request_still_needs() -> None:
+    devices = {f"mig-{g}-{i}": (g, 0) for g in range(2) for i in range(3)}
+    # One device of each GPU is required; the third comes from GPU 0, the lower index.
+    assert preferred_mig(devices, list(devices), ["mig-0-0", "mig-1-0"], 3) == ["mig-0-0", "mig-0-1", "mig-1-0"]
+    # Five: GPU 0 is filled first, then GPU 1 gives the one more needed.
+    assert preferred_mig(devices, list(devices), ["mig-0-0", "mig-1-0"], 5) == [
+        "mig-0-0", "mig-0-1", "mig-0-2", "mig-1-0", "mig-1-1"]
+
+
+def test_mig_answer_is_in_natural_order() -> None:
+    devices = {f"mig-0-{i}": (0, 0) for i in (2, 10, 11)}
+    assert preferred_mig(devices, list(devices), [], 3) == ["mig-0-2", "mig-0-10", "mig-0-11"]
+
+
+def test_mig_ties_go_to_the_lowest_numa_node_and_devices_without_one_last() -> None:
+    no_node = {"mig-a-0": (0, None), "mig-a-1": (0, None), "mig-b-0": (1, 0), "mig-b-1": (1, 0)}
+    assert preferred_mig(no_node, list(no_node), [], 2) == ["mig-b-0", "mig-b-1"]
+    # Nodes 8 and 1: node 1 comes first by number, whatever order a set of them iterates in.
+    numbered = {"mig-a-0": (0, 8), "mig-a-1": (0, 8), "mig-b-0": (1, 1), "mig-b-1": (1, 1)}
+    assert preferred_mig(numbered, list(numbered), [], 2) == ["mig-b-0", "mig-b-1"]
