@@ -4,7 +4,7 @@ matched as nvidia-smi writes it, MIG profiles with a '+' and sharing conflicts b
 from __future__ import annotations
 
 from agent.config import parse_config
-from agent.inventory import mig_resource, plan, sanitise, sharing_conflicts
+from agent.inventory import mig_resource, mps_shared_gpus, plan, sanitise, sharing_conflicts
 from agent.state import DeviceHealth
 from tests.unit.test_inventory import node
 
@@ -72,3 +72,13 @@ def test_sanitise_as_gpu_feature_discovery_does() -> None:
     assert sanitise("Quadro RTX .") == "Quadro-RTX"
     assert sanitise("-H100") == "-H100"
     assert sanitise("A" * 70) == "A" * 63
+
+
+def test_the_gpus_mps_shares_with_their_replica_counts() -> None:
+    state = node("pcie-l40s-4", config="version: v1\nsharing:\n  mps:\n    resources:\n"
+                                        "    - {name: nvidia.com/gpu, replicas: 3, devices: [0, 2]}\n")
+    gpus = state.inventory.gpus
+    assert mps_shared_gpus(state) == [(gpus[0], 3), (gpus[2], 3)]
+    time_sliced = node("pcie-l40s-4", config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                                              "    - {name: nvidia.com/gpu, replicas: 3}\n")
+    assert mps_shared_gpus(time_sliced) == []
