@@ -82,3 +82,22 @@ def test_the_gpus_mps_shares_with_their_replica_counts() -> None:
     time_sliced = node("pcie-l40s-4", config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
                                               "    - {name: nvidia.com/gpu, replicas: 3}\n")
     assert mps_shared_gpus(time_sliced) == []
+
+
+def test_replicas_carry_their_gpus_numa_node_index_and_health() -> None:
+    state = node(config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: nvidia.com/gpu, replicas: 2}\n")
+    gpu3 = state.inventory.gpus[3].uuid
+    devices = plan(state.evolve(health={gpu3: DeviceHealth(False, "XID 79")})).resources["nvidia.com/gpu"].devices
+    assert [d.numa for d in devices] == [0] * 8 + [1] * 8
+    assert [d.index for d in devices[6:8]] == ["3", "3"]
+    assert [(d.healthy, d.reason) for d in devices[5:9]] == [(True, ""), (False, "XID 79"), (False, "XID 79"),
+                                                             (True, "")]
+
+
+def test_only_shared_resources_report_a_sharing_strategy() -> None:
+    state = node(config="version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: nvidia.com/gpu, replicas: 2, rename: example.com/slice, devices: [0]}\n")
+    resources = plan(state).resources
+    assert {name: r.sharing for name, r in resources.items()} == {"example.com/slice": "time-slicing",
+                                                                  "nvidia.com/gpu": "none"}

@@ -96,3 +96,10 @@ def test_nvlink_labels_without_nvlink_and_on_one_gpu() -> None:
     pair = NodeState(version=1, inventory=NodeInventory(
         driver=DriverInfo("570.133.20", "12.8"), gpus=(gpu(0, 0), gpu(1, 0)), links=(PairLink(0, 1, 12, "node"),)))
     assert topology_labels(pair) == {"nvlink.largest-group": "2", "nvlink.full-mesh": "true"}
+
+
+def test_single_strategy_on_a_one_gpu_node() -> None:
+    state = node("single-h200", config="version: v1\nflags:\n  migStrategy: single\n",
+                 mig={0: [("1g.18gb", i) for i in range(7)]})
+    labels = node_labels(state, state.config)
+    assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.count"]) == ("NVIDIA-H200-MIG-1g.18gb", "7")
