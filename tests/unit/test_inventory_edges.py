@@ -101,3 +101,32 @@ def test_only_shared_resources_report_a_sharing_strategy() -> None:
     resources = plan(state).resources
     assert {name: r.sharing for name, r in resources.items()} == {"example.com/slice": "time-slicing",
                                                                   "nvidia.com/gpu": "none"}
+
+
+def test_mig_devices_that_match_no_resource_pattern_are_each_named() -> None:
+    config = MIXED + "resources:\n  mig:\n  - {pattern: '3g.*', name: mig-big}\n"
+    state = node(config=config, mig=TWO_1G)
+    result = plan(state)
+    assert "nvidia.com/mig-big" not in result.resources
+    assert [p for p in result.problems if "resources.mig" in p] == [
+        "MIG device 0:0 (1g.10gb) matches no pattern of resources.mig; not advertised",
+        "MIG device 0:1 (1g.10gb) matches no pattern of resources.mig; not advertised",
+    ]
+
+
+SINGLE = "version: v1\nflags:\n  migStrategy: single\n"
+
+
+def test_single_strategy_takes_the_most_common_profile() -> None:
+    state = node(config=SINGLE, mig={0: [("3g.40gb", 0), ("3g.40gb", 4)], 1: [("3g.40gb", 0), ("3g.40gb", 4)],
+                                     2: [("1g.10gb", 0)]})
+    result = plan(state)
+    assert len(result.resources["nvidia.com/gpu"].devices) == 4
+    assert result.problems[0].startswith("migStrategy single needs every GPU MIG-enabled with devices of one "
+                                         "profile (3g.40gb); not advertised: GPU 2 (1g.10gb); GPU 3 (MIG disabled)")
+
+
+def test_single_strategy_with_mig_enabled_but_no_devices() -> None:
+    result = plan(node(config=SINGLE, mig={0: []}))
+    assert result.problems[0].startswith("migStrategy single needs every GPU MIG-enabled with devices of one "
+                                         "profile (None); not advertised: GPU 0 (no MIG devices); GPU 1 (MIG disabled)")
