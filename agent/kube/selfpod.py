@@ -113,7 +113,7 @@ async def _verdict(api: PodReader, taint: TaintSettings, env: Mapping[str, str])
             return logging.WARNING, (f"cannot check that pod {pod} tolerates {shown}: the API server has no such pod "
                                      "(POD_NAME and POD_NAMESPACE come from the downward API); not checked")
         return logging.WARNING, f"cannot check that pod {pod} tolerates {shown}: the API server answered {err}"
-    except (TimeoutError, aiohttp.ClientError, OSError, CredentialsError) as err:
+    except (TimeoutError, aiohttp.ClientError, OSError, CredentialsError, ValueError) as err:  # ValueError: not JSON
         reason = str(err) or type(err).__name__
         return logging.WARNING, f"cannot check that pod {pod} tolerates {shown}: {reason}; not checked"
     tolerations = [t for t in (found.get("spec") or {}).get("tolerations") or [] if isinstance(t, dict)]
