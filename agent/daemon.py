@@ -289,7 +289,8 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, metrics: 
     dra = options.config.dra
     if not dra.enabled:
         return None
-    slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc)
+    slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc,
+                           on_health_mode=metrics.health_mode)
     if slices is None:
         return None
     try:

@@ -61,6 +61,15 @@ class Metrics:
             "gpu_agent_sharing_unmatched_selectors",
             "Sharing entries and device selectors of the config in force that select nothing on this node.",
             registry=r)
+        self.dra_health_mode = Gauge(
+            "gpu_agent_dra_health_mode",
+            "DRA mode: how unhealthy devices are kept out of claims, once decided (1 for the mode in effect): "
+            "taints (the API server keeps device taints) or withdrawal (it drops them).", ["mode"], registry=r)
+
+    def health_mode(self, mode: str) -> None:
+        """Record the DRA health mode the slice publisher decided on ("taints" or "withdrawal")."""
+        for known in ("taints", "withdrawal"):
+            self.dra_health_mode.labels(mode=known).set(int(known == mode))
 
     def config_in_force(self, without_effect: tuple[str, ...]) -> None:
         """Count the config's keys without effect (lines "<file>: <key> ..." from AgentConfig.without_effect)."""

@@ -84,9 +84,13 @@ async def test_without_the_gate_an_unhealthy_gpu_is_withdrawn_and_comes_back(
     setup_cluster(apiserver)
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     caplog.set_level(logging.INFO, logger="agent.dra.publisher")
-    async with dra_agent(apiserver, kubeconfig, "dra-ungated", "a100-pcie-nvlink-pairs") as (_, fake):
+    async with dra_agent(apiserver, kubeconfig, "dra-ungated", "a100-pcie-nvlink-pairs") as (agent, fake):
+        mode = agent.metrics.registry.get_sample_value
+        assert mode("gpu_agent_dra_health_mode", {"mode": "withdrawal"}) is None  # not decided before a fault
         fake.inject_xid(3, 48)  # a double-bit ECC error: unhealthy
         now = await slice_when(apiserver, "dra-ungated", lambda d: "gpu-3" not in d)
+        assert (mode("gpu_agent_dra_health_mode", {"mode": "withdrawal"}),
+                mode("gpu_agent_dra_health_mode", {"mode": "taints"})) == (1.0, 0.0)
         assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2"]
         # The dry run found the taint dropped: no write published GPU 3 untainted.
         assert now["spec"]["pool"]["generation"] == 2
@@ -112,7 +116,7 @@ async def test_with_the_gate_an_unhealthy_gpu_is_tainted_the_scheduler_avoids_it
         tainting: GatedApiServer, gated_scheduler: ControlPlane, caplog: pytest.LogCaptureFixture) -> None:
     kubeconfig = tainting.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     caplog.set_level(logging.INFO, logger="agent.dra.publisher")
-    async with dra_agent(tainting, kubeconfig, "dra-gated", "a100-pcie-nvlink-pairs") as (_, fake):
+    async with dra_agent(tainting, kubeconfig, "dra-gated", "a100-pcie-nvlink-pairs") as (agent, fake):
         first = (await asyncio.to_thread(slices_of, tainting, "dra-gated"))[0]["spec"]["pool"]["generation"]
         fake.inject_xid(3, 48)
         now = await slice_when(tainting, "dra-gated", lambda d: "taints" in d.get("gpu-3", {}))
@@ -123,6 +127,9 @@ async def test_with_the_gate_an_unhealthy_gpu_is_tainted_the_scheduler_avoids_it
         assert taint["timeAdded"]  # set by the API server: the field was kept
         assert [d.get("taints") for n, d in devices(now).items() if n != "gpu-3"] == [None, None, None]
         assert said_by_publisher(caplog) == []
+        mode = agent.metrics.registry.get_sample_value
+        assert (mode("gpu_agent_dra_health_mode", {"mode": "taints"}),
+                mode("gpu_agent_dra_health_mode", {"mode": "withdrawal"})) == (1.0, 0.0)
         assert "the API server keeps device taints (DRADeviceTaints): unhealthy devices stay in ResourceSlice " \
                "dra-gated-gpu.gpu-node-agent.io with the taint gpu.gpu-node-agent.io/unhealthy" in caplog.messages
         assert now["spec"]["pool"]["generation"] == first + 1
