@@ -370,6 +370,10 @@ class DraSettings(_Strict):
     """The DRA driver name (a DNS subdomain): the slice's driver, the attributes' domain, the DeviceClass's."""
     cdi_root: Path = Field(default=Path("/var/run/cdi"), alias="cdiRoot")
     """Where the CDI specs of prepared claims are written (the container runtime's CDI spec directory)."""
+    dynamic_mig: bool = Field(default=False, alias="dynamicMig")
+    """Publish every possible MIG placement of the GPUs in MIG mode (with shared counters, where the API server
+    keeps them: DRAPartitionableDevices) and create each MIG device when a claim is prepared; the MIG manager
+    then refuses nvidia.com/mig.config."""
 
     @field_validator("driver_name")
     @classmethod

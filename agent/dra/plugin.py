@@ -28,6 +28,7 @@ import grpc
 
 from agent.deviceplugin.response import MPS_CONTAINER_ROOT, mps_log_dir, mps_pipe_dir
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
+from agent.dra.dynamic import DynamicMig, DynamicMigError
 from agent.dra.health_v1alpha1 import api_pb2 as health_pb
 from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.opaque import ConfigProblem, device_env
@@ -146,8 +147,10 @@ class DraKubeletPlugin:
 
     def __init__(self, paths: Paths, driver: str, node: str, bus: StateBus, claims: ClaimReader,
                  control_nodes: Sequence[str], dev_root: Path, on_registered: Callable[[], None],
-                 mig_minors: Mapping[str, int] | None = None) -> None:
+                 mig_minors: Mapping[str, int] | None = None, dynamic: DynamicMig | None = None) -> None:
         self.paths = paths
+        self._dynamic = dynamic
+        """With dra.dynamicMig: makes the MIG device of an allocated placement (agent/dra/dynamic.py)."""
         self.driver = driver
         self.node = node
         self._bus = bus
@@ -233,9 +236,14 @@ class DraKubeletPlugin:
             env = device_env(self.driver, (allocation.get("devices") or {}).get("config") or [], picked)
         except ConfigProblem as err:
             raise ClaimError(f"{where}: {err}") from None
+        known.update(await self._make_dynamic(where, uid, sorted(picked)))
         listed = [(device, *known[device]) for device in sorted(picked)]
-        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env,
-                          self._mps_edits(where, sorted(picked)))
+        try:
+            edits = self._mps_edits(where, sorted(picked))
+        except ClaimError:
+            await self.release(uid)
+            raise
+        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env, edits)
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
                              (cdi_id(self.driver, gpu_device_name(uid, device)), shared))
@@ -244,6 +252,35 @@ class DraKubeletPlugin:
         self._claims_change()
         log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
         return prepared
+
+    async def _make_dynamic(self, where: str, uid: str, devices: list[str]) -> dict[str, tuple[str, list[str]]]:
+        """The MIG devices of the claim's allocated placements (dra.dynamicMig), made now: by device name, the
+        MIG UUID and the device nodes (its GPU's and its capability nodes). One that cannot be made fails the
+        claim, and the ones made for it are destroyed again."""
+        if self._dynamic is None:
+            return {}
+        placements = self._dynamic.devices(self._bus.current)
+        made: dict[str, tuple[str, list[str]]] = {}
+        for device in devices:
+            if device not in placements:
+                continue
+            try:
+                mig = await self._dynamic.create(uid, placements[device])
+            except DynamicMigError as err:
+                await self.release(uid)
+                raise ClaimError(f"{where}: {err}") from None
+            gpu = f"gpu{mig.gpu_minor}/gi{mig.gpu_instance_id}"
+            wanted = (f"{gpu}/access", f"{gpu}/ci{mig.compute_instance_id}/access")
+            caps = [f"/dev/nvidia-caps/nvidia-cap{self._mig_minors[cap]}" for cap in wanted if cap in self._mig_minors]
+            made[device] = (mig.uuid, [f"/dev/nvidia{mig.gpu_minor}", *caps])
+        return made
+
+    async def release(self, uid: str) -> None:
+        """Destroy the MIG devices made for claim `uid` (dra.dynamicMig); DynamicMigError when one cannot be."""
+        if self._dynamic is not None:
+            released = await self._dynamic.release(uid)
+            if released:
+                log.info("destroyed the MIG device(s) of claim %s: %s", uid, ", ".join(released))
 
     def _mps_edits(self, where: str, devices: list[str]) -> dict[str, Any]:
         """For a claim of MPS replicas, what its containers need to be one client of the GPU's MPS control
@@ -292,6 +329,8 @@ class DraKubeletPlugin:
             wanted = (f"{gpu}/access", f"{gpu}/ci{mig.compute_instance_id}/access")
             caps = [f"/dev/nvidia-caps/nvidia-cap{self._mig_minors[cap]}" for cap in wanted if cap in self._mig_minors]
             known[mig_device_name(mig)] = (mig.uuid, [f"/dev/nvidia{minors[mig.parent_index]}", *caps])
+        if self._dynamic is not None:  # made at Prepare: the UUID and nodes are known only then
+            known.update({name: ("", []) for name in self._dynamic.devices(state)})
         return known
 
     def unprepare(self, uid: str) -> None:
@@ -311,6 +350,8 @@ class DraKubeletPlugin:
         prepared device the node no longer has (a MIG device of a replaced layout)."""
         state = self._bus.current
         gpus = device_gpus(state)
+        if self._dynamic is not None:
+            gpus.update(self._dynamic.device_gpus(state))
         names = set(published_names(state)) | {
             d.device for uid in self.store.claims for d in self.store.get(uid) or [] if d.pool == self.node}
         now = int(time.time())
@@ -391,9 +432,14 @@ async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     return response
 
 
-def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
+async def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     response = pb.NodeUnprepareResourcesResponse()
     for claim in claims:
+        try:
+            await plugin.release(claim.uid)
+        except DynamicMigError as err:
+            response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"
+            continue
         try:
             plugin.unprepare(claim.uid)
             response.claims[claim.uid].error = ""
@@ -413,7 +459,7 @@ class _DraV1(v1_grpc.DRAPluginServicer):
 
     async def NodeUnprepareResources(
             self, request: v1.NodeUnprepareResourcesRequest, context: Any) -> v1.NodeUnprepareResourcesResponse:
-        response: v1.NodeUnprepareResourcesResponse = _unprepare_all(self._plugin, request.claims, v1)
+        response: v1.NodeUnprepareResourcesResponse = await _unprepare_all(self._plugin, request.claims, v1)
         return response
 
 
@@ -430,5 +476,5 @@ class _DraV1beta1(v1beta1_grpc.DRAPluginServicer):
     async def NodeUnprepareResources(
             self, request: v1beta1.NodeUnprepareResourcesRequest, context: Any
     ) -> v1beta1.NodeUnprepareResourcesResponse:
-        response: v1beta1.NodeUnprepareResourcesResponse = _unprepare_all(self._plugin, request.claims, v1beta1)
+        response: v1beta1.NodeUnprepareResourcesResponse = await _unprepare_all(self._plugin, request.claims, v1beta1)
         return response

@@ -111,6 +111,11 @@ class SliceApi:
             if err.status != 404:
                 raise
 
+    async def version(self) -> dict[str, Any]:
+        """The API server's version (GET /version: gitVersion, major, minor)."""
+        found: dict[str, Any] = await self._request("GET", "/version")
+        return found
+
     async def claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A ResourceClaim, for the kubelet plugin; None when there is none of that name."""
         path = f"/apis/resource.k8s.io/v1/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"

@@ -34,6 +34,13 @@ cannot take is not retried."""
 REBOOT_CHECK_S = 60.0
 """How often a layout waiting for a GPU reset (rebooting) checks whether the GPUs took their MIG mode."""
 NO_MORE_TRIES = "no more tries until the label changes"
+DYNAMIC_MIG = ("not applied: dra.dynamicMig is on, so DRA claims create and destroy this node's MIG devices; "
+               "remove the nvidia.com/mig.config label or turn dra.dynamicMig off")
+
+
+def dynamic_mig(state: NodeState) -> bool:
+    """Whether DRA owns the MIG layout (dra.enabled and dra.dynamicMig): the label is refused."""
+    return state.config.dra.enabled and state.config.dra.dynamic_mig
 
 
 def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
@@ -150,8 +157,10 @@ class MigController:
         """Apply each new request; at start, finish an apply a crash interrupted when no request names one."""
         state = self._bus.current
         handled: str | None = None
+        if dynamic_mig(state):
+            log.info("dra.dynamicMig is on: the MIG manager applies no nvidia.com/mig.config label on this node")
         interrupted = Journal(state.config.mig.state_dir).pending()
-        if interrupted is not None and state.mig_request is None:
+        if interrupted is not None and state.mig_request is None and not dynamic_mig(state):
             log.warning("finishing the interrupted MIG apply of %s", interrupted)
             await self.apply(interrupted)
         retries = 0
@@ -159,6 +168,11 @@ class MigController:
             state = self._bus.current
             if state.mig_request is not None and state.mig_request != handled:
                 handled, retries = state.mig_request, 0
+                if dynamic_mig(state):
+                    self._settled = True
+                    log.error("MIG layout %s: %s", handled, DYNAMIC_MIG)
+                    await self._bus.update(mig_status=MigStatus(handled, "failed", DYNAMIC_MIG))
+                    continue
                 await self.apply(handled)
                 continue
             status = state.mig_status

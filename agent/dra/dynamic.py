@@ -1,0 +1,434 @@
+"""Dynamic MIG in DRA mode (`dra.dynamicMig`, KEP 4815 "partitionable devices", the DRAPartitionableDevices
+feature gate): every possible MIG placement of a GPU in MIG mode is a device of the ResourceSlice, each
+consuming the memory-slice counters of its placement from its GPU's counter set, so the scheduler never hands
+out two overlapping placements. NodePrepareResources creates the GPU instance at the allocated placement and its
+compute instance; NodeUnprepareResources destroys them.
+
+The slice shape depends on the API server's version (as NVIDIA's DRA driver does it): up to 1.34 each such GPU
+has a slice of its own with its counter set and its devices; from 1.35 a slice may hold counters or devices,
+not both, so the counter sets go into one slice of their own and each GPU's devices into another. The node's
+other devices (whole GPUs, replicas) stay in the node's usual slice; every slice of the pool has the same
+generation and `resourceSliceCount`.
+
+Where the API server drops the counters (the gate is off), a dry run shows it before anything is written: the
+agent says so in one line and publishes as without dynamicMig for the rest of its run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agent.dra.publisher import SliceClient, SlicePublisher
+from agent.dra.slices import (
+    GpuInfo,
+    PcieRootLookup,
+    _common,
+    health_taints,
+    mig_device_name,
+    nvlink_cliques,
+    published_migs,
+    slice_name,
+    slice_spec,
+)
+from agent.nvml.backend import MigCallError, MigOps, NvmlBackend
+from agent.nvml.catalog import MODELS, MigProfile, Placement
+from agent.state import NodeState, StateBus
+from agent.topology.prefer import topology_of
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+
+MEMORY_SLICES = 8
+"""Memory slices of a full-size MIG GPU (A100, H100, H200)."""
+SPLIT_FROM = (1, 35)
+"""The first Kubernetes version whose API server takes counters only in a slice without devices."""
+UNDECIDED, COUNTERS, STATIC = "undecided", "counters", "static"
+STATE_FILE = "dynamic-mig.json"
+STATE_VERSION = 1
+
+
+# --- the slice shape (pure) ------------------------------------------------------------------------------
+
+
+def server_version(git_version: str) -> tuple[int, int] | None:
+    """(major, minor) of an API server's gitVersion ("v1.34.4", "v1.35.0-gke.1"); None when unreadable."""
+    found = re.match(r"v?(\d+)\.(\d+)", git_version.strip())
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def splits_counters(git_version: str) -> bool:
+    """Whether counter sets need a slice of their own: Kubernetes 1.35 and later (an unreadable version is
+    taken as the newer rule)."""
+    version = server_version(git_version)
+    return version is None or version >= SPLIT_FROM
+
+
+def counter_set_name(gpu: GpuInfo) -> str:
+    return f"gpu-{gpu.index}-counter-set"
+
+
+def memory_slice_counter(n: int) -> str:
+    return f"memory-slice-{n}"
+
+
+def profile_token(profile: str) -> str:
+    """A profile name in a device name: "1g.10gb+me" -> "1g10gbme"."""
+    return re.sub(r"[^a-z0-9]", "", profile.lower())
+
+
+def instances_counter(profile: MigProfile) -> str:
+    return f"instances-{profile_token(profile.name)}"
+
+
+def placement_device_name(gpu_index: int, profile: str, start: int) -> str:
+    """gpu-<index>-mig-<profile without dots>-<first memory slice>, e.g. gpu-0-mig-3g40gb-4."""
+    return f"gpu-{gpu_index}-mig-{profile_token(profile)}-{start}"
+
+
+def catalog_profiles(gpu: GpuInfo) -> tuple[MigProfile, ...]:
+    """The MIG profiles of a GPU by its model, where NVML's own answer is not at hand."""
+    return next((m.mig_profiles for m in MODELS.values() if m.nvml_name == gpu.name), ())
+
+
+@dataclass(frozen=True)
+class PlacementDevice:
+    gpu: GpuInfo
+    profile: MigProfile
+    placement: Placement
+
+    @property
+    def name(self) -> str:
+        return placement_device_name(self.gpu.index, self.profile.name, self.placement.start)
+
+
+ProfilesOf = Callable[[GpuInfo], tuple[MigProfile, ...]]
+
+
+def dynamic_gpus(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints: bool = False
+                 ) -> list[tuple[GpuInfo, tuple[MigProfile, ...]]]:
+    """The GPUs in MIG mode whose placements are published: with MIG profiles, not draining, and healthy
+    unless unhealthy ones are published with a taint."""
+    return [(g, found) for g in state.inventory.gpus
+            if g.mig_enabled and (found := profiles(g)) and g.uuid not in state.draining
+            and (taints or state.gpu_health(g.uuid).healthy)]
+
+
+def placements(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints: bool = False
+               ) -> dict[str, PlacementDevice]:
+    """Every possible MIG placement of the published GPUs, by device name."""
+    found: dict[str, PlacementDevice] = {}
+    for gpu, listed in dynamic_gpus(state, profiles, taints):
+        for profile in listed:
+            for placement in profile.placements:
+                device = PlacementDevice(gpu, profile, placement)
+                found[device.name] = device
+    return found
+
+
+def counter_set(gpu: GpuInfo, profiles: tuple[MigProfile, ...]) -> dict[str, Any]:
+    """A GPU's counters: one per memory slice (1 each), and for a profile with fewer instances than
+    placements (1g.10gb+me: one of seven) how many instances of it the GPU takes."""
+    counters = {memory_slice_counter(n): {"value": "1"} for n in range(MEMORY_SLICES)}
+    for profile in profiles:
+        if profile.instance_count < len(profile.placements):
+            counters[instances_counter(profile)] = {"value": str(profile.instance_count)}
+    return {"name": counter_set_name(gpu), "counters": counters}
+
+
+def placement_device(device: PlacementDevice, state: NodeState, cliques: Any, pcie_root: PcieRootLookup
+                     ) -> dict[str, Any]:
+    gpu, profile, placement = device.gpu, device.profile, device.placement
+    attributes: dict[str, dict[str, Any]] = {
+        "type": {"string": "mig"}, "profile": {"string": profile.name}, "dynamic": {"bool": True},
+        "parentUUID": {"string": gpu.uuid}, "parentIndex": {"int": gpu.index}, "parentMinor": {"int": gpu.minor},
+        "placementStart": {"int": placement.start}, "placementSize": {"int": placement.size},
+        **_common(gpu, state, cliques, pcie_root)}
+    counts = {"multiprocessors": profile.multiprocessor_count, "copyEngines": profile.copy_engines,
+              "decoders": profile.decoders, "encoders": profile.encoders, "jpegEngines": profile.jpegs,
+              "ofaEngines": profile.ofas}
+    capacity = {"memory": {"value": f"{profile.memory_size_mib}Mi"},
+                **{k: {"value": str(v)} for k, v in counts.items()}}
+    consumed = {memory_slice_counter(n): {"value": "1"}
+                for n in range(placement.start, placement.start + placement.size)}
+    if profile.instance_count < len(profile.placements):
+        consumed[instances_counter(profile)] = {"value": "1"}
+    return {"name": device.name, "attributes": attributes, "capacity": capacity,
+            "consumesCounters": [{"counterSet": counter_set_name(gpu), "counters": consumed}]}
+
+
+def dynamic_slices(state: NodeState, node: str, driver: str, generation: int, split: bool,
+                   profiles: ProfilesOf = catalog_profiles, pcie_root: PcieRootLookup = lambda bus_id: None,
+                   taints: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The node's slices as (object name, spec): the usual slice with the devices of the GPUs not in MIG mode
+    (named as without dynamicMig), then, unless `split`, a slice per GPU in MIG mode with its counter set and
+    its placements (`<usual name>-gpu-<index>`); with `split` (Kubernetes 1.35 and later), one slice of every
+    counter set (`<usual name>-counters`) and one of each GPU's placements."""
+    base = slice_spec(state, node, driver, generation, pcie_root, taints)
+    gpus = dynamic_gpus(state, profiles, taints)
+    dynamic_parents = {g.index for g, _ in gpus}
+    static_migs = {mig_device_name(m) for _, m in published_migs(state, taints=True)
+                   if m.parent_index in dynamic_parents}
+    base["devices"] = [d for d in base["devices"] if d["name"] not in static_migs]
+    cliques = nvlink_cliques(topology_of(state.inventory))
+    name = slice_name(node, driver)
+    slices: list[tuple[str, dict[str, Any]]] = [(name, base)]
+    if split and gpus:
+        slices.append((f"{name}-counters", {"sharedCounters": [counter_set(g, p) for g, p in gpus]}))
+    for gpu, listed in gpus:
+        devices = [placement_device(PlacementDevice(gpu, profile, placement), state, cliques, pcie_root)
+                   for profile in listed for placement in profile.placements]
+        for device in devices:
+            if found := health_taints(state.gpu_health(gpu.uuid), driver):
+                device["taints"] = found
+        spec: dict[str, Any] = {"devices": devices}
+        if not split:
+            spec = {"sharedCounters": [counter_set(gpu, listed)], **spec}
+        slices.append((f"{name}-gpu-{gpu.index}", spec))
+    for _, spec in slices[1:]:
+        spec.update({"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": generation, "resourceSliceCount": 0}})
+    for _, spec in slices:
+        spec["pool"]["resourceSliceCount"] = len(slices)
+    return [(n, _ordered(s)) for n, s in slices]
+
+
+def _ordered(spec: dict[str, Any]) -> dict[str, Any]:
+    keys = ("driver", "nodeName", "pool", "sharedCounters", "devices")
+    return {**{k: spec[k] for k in keys if k in spec}, **{k: v for k, v in spec.items() if k not in keys}}
+
+
+# --- creating and destroying the MIG devices (on the NVML thread) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class MadeDevice:
+    """A MIG device this agent made for a claim."""
+
+    uuid: str
+    gpu_index: int
+    gpu_minor: int
+    gpu_instance_id: int
+    compute_instance_id: int
+
+
+class DynamicMigError(Exception):
+    """A MIG device could not be made for a claim; the message says why in one line."""
+
+
+class DynamicMig:
+    """The MIG profiles NVML reports per GPU, and the MIG devices made for prepared claims, kept in a
+    checkpoint file (`dynamic-mig.json` next to the DRA checkpoint) with their instance ids, written before
+    and after each create and before each destroy: a restart in between loses nothing."""
+
+    def __init__(self, backend: NvmlBackend, nvml: NvmlCall[Any], state_file: Path) -> None:
+        self._backend = backend
+        self._ops = MigOps(backend)
+        self._nvml = nvml
+        self._file = state_file
+        self.profiles: dict[str, tuple[MigProfile, ...]] = {}
+        """By GPU UUID: what NVML lists (placements included) for each GPU in MIG mode."""
+        self.active = False
+        """Set by the publisher once the API server is known to keep the counters."""
+        self.made: dict[str, dict[str, Any]] = {}
+        """By "<claim uid>/<device>": the placement and, once made, the instance ids and MIG UUID."""
+        self._lock = asyncio.Lock()
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self._file.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as err:
+            raise DynamicMigError(f"cannot read the dynamic MIG checkpoint {self._file}: {err}") from None
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(
+                data.get("devices"), dict):
+            raise DynamicMigError(f"the dynamic MIG checkpoint {self._file} is not a version {STATE_VERSION} "
+                                  "checkpoint")
+        self.made = data["devices"]
+
+    def _save(self) -> None:
+        self._file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._file.with_name(f".{self._file.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"version": STATE_VERSION, "devices": self.made}, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._file)
+
+    async def load_profiles(self, state: NodeState) -> None:
+        """Ask NVML for the profiles and placements of each GPU in MIG mode."""
+        for gpu in state.inventory.gpus:
+            if gpu.mig_enabled:
+                found = await self._nvml(functools.partial(self._ops.state, gpu.index))
+                if found.mig_enabled and found.profiles:
+                    self.profiles[gpu.uuid] = found.profiles
+
+    def profiles_of(self, gpu: GpuInfo) -> tuple[MigProfile, ...]:
+        return self.profiles.get(gpu.uuid) or catalog_profiles(gpu)
+
+    def devices(self, state: NodeState) -> dict[str, PlacementDevice]:
+        """The placement devices the slice names (none unless the publisher found the counters kept)."""
+        return placements(state, self.profiles_of, taints=True) if self.active else {}
+
+    def device_gpus(self, state: NodeState) -> dict[str, str]:
+        return {name: d.gpu.uuid for name, d in self.devices(state).items()}
+
+    async def create(self, uid: str, device: PlacementDevice) -> MadeDevice:
+        """The MIG device of `device` for claim `uid`: made now, or the one made before (an interrupted
+        Prepare finds its instance by the checkpoint's record)."""
+        key = f"{uid}/{device.name}"
+        async with self._lock:
+            record = self.made.get(key)
+            if record is not None and "uuid" in record:
+                return _made(record)
+            gpu, profile, start = device.gpu, device.profile, device.placement.start
+            if record is None:
+                self.made[key] = {"gpu": gpu.index, "minor": gpu.minor, "profile": profile.name, "start": start}
+                self._save()
+            else:  # a create was under way when the agent stopped: take its instance if it is there
+                existing = await self._nvml(lambda: self._instance_at(gpu.index, start))
+                if existing is not None and existing.profile == profile.name:
+                    return self._record(key, gpu.index, gpu.minor, existing)
+            try:
+                await self._nvml(lambda: self._ops.create(gpu.index, profile.name, start))
+            except MigCallError as err:
+                self.made.pop(key, None)
+                self._save()
+                raise DynamicMigError(
+                    f"cannot create MIG device {profile.name} at memory slice {start} of GPU {gpu.index}: {err} "
+                    "(is the placement taken by a GPU instance made outside the agent?)") from None
+            found = await self._nvml(lambda: self._instance_at(gpu.index, start))
+            if found is None:
+                raise DynamicMigError(f"MIG device {profile.name} at memory slice {start} of GPU {gpu.index} was "
+                                      "created but NVML does not list it")
+            return self._record(key, gpu.index, gpu.minor, found)
+
+    def _record(self, key: str, index: int, minor: int, found: Any) -> MadeDevice:
+        self.made[key].update(uuid=found.uuid, gi=found.gpu_instance_id, ci=found.compute_instance_id,
+                              minor=minor, gpu=index)
+        self._save()
+        return _made(self.made[key])
+
+    def _instance_at(self, index: int, start: int) -> Any:
+        """The MIG device (GPU and compute instance) at memory slice `start` of GPU `index`, if any."""
+        return next((m for m in self._backend._mig_devices(index) if m.placement_start == start), None)
+
+    async def release(self, uid: str) -> list[str]:
+        """Destroy the MIG devices made for claim `uid` (those already gone are a success); returns the
+        device names."""
+        released = []
+        async with self._lock:
+            for key in [k for k in self.made if k.split("/", 1)[0] == uid]:
+                record = self.made[key]
+                index, start = int(record["gpu"]), int(record["start"])
+                gi = record.get("gi")
+
+                def destroy(index: int = index, start: int = start, gi: Any = gi) -> None:
+                    found = self._instance_at(index, start)
+                    if found is None or (gi is not None and found.gpu_instance_id != gi):
+                        return  # gone already (or another instance sits there now: not this claim's)
+                    self._ops.destroy(index, start)
+
+                try:
+                    await self._nvml(destroy)
+                except (MigCallError, LookupError) as err:
+                    raise DynamicMigError(f"cannot destroy MIG device {key.split('/', 1)[1]}: {err}") from None
+                del self.made[key]
+                self._save()
+                released.append(key.split("/", 1)[1])
+        return released
+
+
+def _made(record: Mapping[str, Any]) -> MadeDevice:
+    return MadeDevice(str(record["uuid"]), int(record["gpu"]), int(record["minor"]), int(record["gi"]),
+                      int(record["ci"]))
+
+
+# --- publishing the slices --------------------------------------------------------------------------------
+
+
+class DynamicSlicePublisher(SlicePublisher):
+    """The node's slices with dynamic MIG: as SlicePublisher, but several slices of one pool. The first time,
+    the API server's version decides the shape and a dry run whether it keeps the counters; where it does not,
+    this publisher says so once and publishes as SlicePublisher does."""
+
+    def __init__(self, api: SliceClient, bus: StateBus, node: str, driver: str, dynamic: DynamicMig,
+                 **kwargs: Any) -> None:
+        super().__init__(api, bus, node, driver, **kwargs)
+        self.dynamic = dynamic
+        self.counters_mode = UNDECIDED
+        self.split: bool | None = None
+        self._slices_written: tuple[object, object] | None = None
+
+    async def _decide_split(self) -> bool:
+        if self.split is None:
+            version_of = getattr(self._api, "version", None)
+            git_version = str((await version_of()).get("gitVersion", "")) if version_of is not None else ""
+            self.split = splits_counters(git_version)
+            log.info("API server %s: %s", git_version or "of unknown version",
+                     "counter sets in a ResourceSlice of their own" if self.split
+                     else "each GPU's counter set in the ResourceSlice of its devices")
+        return self.split
+
+    async def sync(self, state: NodeState) -> bool:
+        if self.counters_mode == STATIC:
+            return await super().sync(state)
+        split = await self._decide_split()
+        wanted = dynamic_slices(state, self.node, self.driver, 0, split, self.dynamic.profiles_of,
+                                self._pcie_root)
+        if len(wanted) == 1 and self.counters_mode == UNDECIDED:
+            return await super().sync(state)  # no GPU in MIG mode (yet): nothing to decide
+        existing = {(s.get("metadata") or {}).get("name"): s for s in await self._api.list(self.node, self.driver)}
+        if self.counters_mode == UNDECIDED:
+            name, spec = next((n, s) for n, s in wanted if s.get("sharedCounters"))
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                    "metadata": (existing[name].get("metadata") if name in existing else {"name": name}),
+                    "spec": {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}}}
+            stored = await (self._api.replace(name, body, dry_run=True) if name in existing
+                            else self._api.create(body, dry_run=True))
+            if not (stored.get("spec") or {}).get("sharedCounters"):
+                log.warning("the API server drops the shared counters of ResourceSlice %s (the "
+                            "DRAPartitionableDevices feature gate is off): dra.dynamicMig is off until the agent "
+                            "restarts; MIG devices are published as the GPUs' layout has them", name)
+                self.counters_mode = STATIC
+                return await super().sync(state)
+            log.info("the API server keeps shared counters (DRAPartitionableDevices): each MIG placement of a GPU "
+                     "in MIG mode is a device, created at NodePrepareResources")
+            self.counters_mode = COUNTERS
+            self.dynamic.active = True
+        specs = [(n, copy.deepcopy(s)) for n, s in wanted]
+        versions = tuple(sorted((n, (s.get("metadata") or {}).get("resourceVersion")) for n, s in existing.items()))
+        if self._slices_written == (versions, specs):
+            return False
+        stored_generation = max((int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                                 for s in existing.values()), default=0)
+        generation = max(self.generation, stored_generation) + 1
+        written_versions = []
+        for name, spec in wanted:
+            spec["pool"]["generation"] = generation
+            meta = (existing[name].get("metadata") or {}) if name in existing else {"name": name}
+            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
+            written = await (self._api.replace(name, body) if name in existing else self._api.create(body))
+            written_versions.append((name, (written.get("metadata") or {}).get("resourceVersion")))
+        for stale in set(existing) - {n for n, _ in wanted}:
+            if stale:
+                log.info("deleting stale ResourceSlice %s of driver %s", stale, self.driver)
+                await self._api.delete(stale)
+        self.generation = generation
+        self._slices_written = (tuple(sorted(written_versions)), specs)
+        log.info("published %d ResourceSlice(s) of pool %s: %d device(s), pool generation %d", len(wanted),
+                 self.node, sum(len(s.get("devices") or []) for _, s in wanted), generation)
+        return True
