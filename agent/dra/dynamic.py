@@ -241,6 +241,8 @@ class DynamicMig:
         """By GPU UUID: what NVML lists (placements included) for each GPU in MIG mode."""
         self.active = False
         """Set by the publisher once the API server is known to keep the counters."""
+        self.loaded = False
+        """Whether load_profiles ran (the publisher runs it before its first write)."""
         self.made: dict[str, dict[str, Any]] = {}
         """By "<claim uid>/<device>": the placement and, once made, the instance ids and MIG UUID."""
         self._lock = asyncio.Lock()
@@ -275,6 +277,7 @@ class DynamicMig:
                 found = await self._nvml(functools.partial(self._ops.state, gpu.index))
                 if found.mig_enabled and found.profiles:
                     self.profiles[gpu.uuid] = found.profiles
+        self.loaded = True
 
     def profiles_of(self, gpu: GpuInfo) -> tuple[MigProfile, ...]:
         return self.profiles.get(gpu.uuid) or catalog_profiles(gpu)
@@ -360,6 +363,11 @@ def _made(record: Mapping[str, Any]) -> MadeDevice:
 # --- publishing the slices --------------------------------------------------------------------------------
 
 
+def state_file(checkpoint: Path) -> Path:
+    """The dynamic MIG checkpoint next to the DRA plugin's checkpoint (plugins/<driver>/dynamic-mig.json)."""
+    return checkpoint.with_name(STATE_FILE)
+
+
 class DynamicSlicePublisher(SlicePublisher):
     """The node's slices with dynamic MIG: as SlicePublisher, but several slices of one pool. The first time,
     the API server's version decides the shape and a dry run whether it keeps the counters; where it does not,
@@ -387,6 +395,8 @@ class DynamicSlicePublisher(SlicePublisher):
         if self.counters_mode == STATIC:
             return await super().sync(state)
         split = await self._decide_split()
+        if not self.dynamic.loaded:
+            await self.dynamic.load_profiles(state)
         wanted = dynamic_slices(state, self.node, self.driver, 0, split, self.dynamic.profiles_of,
                                 self._pcie_root)
         if len(wanted) == 1 and self.counters_mode == UNDECIDED:

@@ -357,10 +357,12 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
     }
 
 
-def plugin_resources(names: Iterable[str] | Mapping[str, Resource], dra: bool) -> set[str]:
+def plugin_resources(names: Iterable[str] | Mapping[str, Resource], dra: bool, dynamic_mig: bool = False) -> set[str]:
     """The resources the device plugin serves: in DRA mode whole GPUs are the DRA driver's, not nvidia.com/gpu's,
-    and so are their shared replicas (time-sliced or MPS) under any name (given the plan's resources, by name)."""
+    and so are their shared replicas (time-sliced or MPS) under any name (given the plan's resources, by name);
+    with dra.dynamicMig (`dynamic_mig`) the MIG devices are the DRA driver's too (it makes them for its claims)."""
     if not dra:
         return set(names)
+    kinds = {"gpu", "mig"} if dynamic_mig else {"gpu"}
     return {n for n in names if n != GPU_RESOURCE and not (
-        isinstance(names, Mapping) and any(d.kind == "gpu" for d in names[n].devices))}
+        isinstance(names, Mapping) and any(d.kind in kinds for d in names[n].devices))}

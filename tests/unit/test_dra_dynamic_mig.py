@@ -312,3 +312,16 @@ async def test_the_mig_manager_refuses_the_label_with_dynamic_mig(tmp_path: Path
         assert gpu_instances(fake, 0) == []  # nothing changed
     finally:
         task.cancel()
+
+
+def test_with_dynamic_mig_the_device_plugin_leaves_mig_devices_to_dra() -> None:
+    from agent.dra.slices import plugin_resources
+    from agent.inventory import plan
+
+    state, _, _ = mig_node(mig={0: [("3g.40gb", 4)]})  # a MIG device made for a claim
+    config = parse_config("version: v1\nflags: {migStrategy: mixed}\ndra: {enabled: true, dynamicMig: true}\n")
+    resources = plan(NodeState(version=1, inventory=state.inventory, config=config)).resources
+    assert sorted(resources) == ["nvidia.com/gpu", "nvidia.com/mig-3g.40gb"]
+    assert plugin_resources(resources, dra=True) == {"nvidia.com/mig-3g.40gb"}
+    assert plugin_resources(resources, dra=True, dynamic_mig=True) == set()
+    assert plugin_resources(resources, dra=False, dynamic_mig=True) == {"nvidia.com/gpu", "nvidia.com/mig-3g.40gb"}
