@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_135_counters_go_into_a_slice_of_their_own() -> None:
         assert spec["nodeName"] == "n" and spec["pool"] == {"name": "n", "generation": 2, "resourceSliceCount": 4}
 
 
-def test_a_gpu_with_mig_disabled_stays_whole_and_made_mig_devices_are_not_published_twice() -> None:
+def test_a_mig_device_made_for_a_claim_is_not_published_twice() -> None:
     state, _, _ = mig_node(mig={0: [("3g.40gb", 4)]})
     slices = dynamic_slices(state, "n", DRIVER, 1, split=False)
     main = slices[0][1]
@@ -325,3 +326,29 @@ def test_with_dynamic_mig_the_device_plugin_leaves_mig_devices_to_dra() -> None:
     assert plugin_resources(resources, dra=True) == {"nvidia.com/mig-3g.40gb"}
     assert plugin_resources(resources, dra=True, dynamic_mig=True) == set()
     assert plugin_resources(resources, dra=False, dynamic_mig=True) == {"nvidia.com/gpu", "nvidia.com/mig-3g.40gb"}
+
+
+async def test_a_create_cut_short_by_a_restart_takes_the_instance_it_made(tmp_path: Path, nvml_thread: Any) -> None:
+    state, fake, backend = mig_node(mig={0: [("2g.20gb", 2)]})  # created; the agent stopped before recording it
+    file = tmp_path / "dynamic-mig.json"
+    file.write_text(json.dumps({"version": 1, "devices": {
+        "uid-3/gpu-0-mig-2g20gb-2": {"gpu": 0, "minor": 0, "profile": "2g.20gb", "start": 2}}}))
+    dynamic = DynamicMig(backend, nvml_thread, file)
+    await dynamic.load_profiles(state)
+    dynamic.active = True
+    made = await dynamic.create("uid-3", dynamic.devices(state)["gpu-0-mig-2g20gb-2"])
+    assert gpu_instances(fake, 0) == [(2, 2, 1)]  # no second instance
+    assert made.uuid == state.inventory.mig_devices[0].uuid
+    assert json.loads(file.read_text())["devices"]["uid-3/gpu-0-mig-2g20gb-2"]["uuid"] == made.uuid
+
+
+async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_thread: Any) -> None:
+    state, _, backend = mig_node()
+    api = Slices(keeps=True, git_version="v1.35.1")
+    publisher = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, DynamicMig(backend, nvml_thread,
+                                                                                    tmp_path / "d.json"))
+    assert await publisher.sync(state)
+    assert api.writes == [("create", f"{MAIN}-counters", True), ("create", MAIN, False),
+                          ("create", f"{MAIN}-counters", False), ("create", f"{MAIN}-gpu-0", False)]
+    assert "devices" not in api.stored[f"{MAIN}-counters"]["spec"]
+    assert "sharedCounters" not in api.stored[f"{MAIN}-gpu-0"]["spec"]
