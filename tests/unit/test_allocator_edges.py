@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.topology.allocator import AllocationError, preferred_mig, preferred_shared
+from agent.topology.allocator import AllocationError, preferred_gpus, preferred_mig, preferred_shared
 from agent.topology.model import Topology
 
 UNLINKED = Topology.build([0, 0, 0], {}, {})
@@ -104,3 +104,14 @@ def test_mig_ties_go_to_the_lowest_numa_node_and_devices_without_one_last() -> N
     # Nodes 8 and 1: node 1 comes first by number, whatever order a set of them iterates in.
     numbered = {"mig-a-0": (0, 8), "mig-a-1": (0, 8), "mig-b-0": (1, 1), "mig-b-1": (1, 1)}
     assert preferred_mig(numbered, list(numbered), [], 2) == ["mig-b-0", "mig-b-1"]
+
+
+def test_two_gpus_of_one_class_count_their_own_pair_in_the_remainder() -> None:
+    # Triangles 0-1-2, 3-4-5 and 6-7-8 of 4 NVLinks each, 9 joined to 3, 4, 5 by 2; GPUs 0-4 on NUMA node 0.
+    # Of 0, 2, 3, 7, 8 the pairs 0-2 and 7-8 tie on value (400), span (1) and remainder (the other pair, 400);
+    # the index order gives 0-2. Scoring the pair inside one class of interchangeable GPUs wrongly in the
+    # remainder makes the two remainders differ.
+    topo = Topology.build([0] * 5 + [1] * 5, {}, {
+        (0, 1): 4, (0, 2): 4, (1, 2): 4, (3, 4): 4, (3, 5): 4, (4, 5): 4, (6, 7): 4, (6, 8): 4, (7, 8): 4,
+        (3, 9): 2, (4, 9): 2, (5, 9): 2})
+    assert preferred_gpus(topo, [0, 2, 3, 7, 8], [], 2) == [0, 2]
