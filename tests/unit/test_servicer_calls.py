@@ -249,3 +249,36 @@ def test_shared_resource_without_the_flag_takes_two_replicas() -> None:
         first, second = served.ids[:2]
         (container,) = allocate(served, [f"{first}::0", f"{second}::1"]).container_responses
         assert dict(container.envs)["NVIDIA_VISIBLE_DEVICES"] == f"{first},{second}"
+
+
+def test_preferred_replicas_spread_over_gpus_or_pack_onto_one() -> None:
+    replicas = "    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"
+    with serving(node(config="version: v1\nsharing:\n  timeSlicing:\n" + replicas)) as served:
+        first, second = served.ids[:2]
+        every = [f"{uuid}::{n}" for uuid in served.ids for n in range(4)]
+        assert preferred(served, every, 2) == [f"{first}::0", f"{second}::0"]
+        assert preferred(served, every, 2, must=[f"{second}::3"]) == [f"{first}::0", f"{second}::3"]
+    packed = "version: v1\nflags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\nsharing:\n  timeSlicing:\n"
+    with serving(node(config=packed + replicas)) as served:
+        first = served.ids[0]
+        every = [f"{uuid}::{n}" for uuid in served.ids for n in range(4)]
+        assert preferred(served, every, 2) == [f"{first}::0", f"{first}::1"]
+
+
+def test_preferred_mps_replicas_stay_on_one_gpu() -> None:
+    state = node(config="version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n")
+    state = state.evolve(mps={g.uuid: "" for g in state.inventory.gpus})
+    with serving(state) as served:
+        first = served.ids[0]
+        every = [f"{uuid}::{n}" for uuid in served.ids for n in range(4)]
+        assert preferred(served, every, 3) == [f"{first}::0", f"{first}::1", f"{first}::2"]
+
+
+def test_preferred_mig_devices_fill_one_gpu() -> None:
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\n",
+                 mig={0: [("1g.10gb", i) for i in range(3)], 1: [("1g.10gb", i) for i in range(2)]})
+    migs = [m.uuid for m in state.inventory.mig_devices]
+    with serving(state, resource="nvidia.com/mig-1g.10gb") as served:
+        # Two fit on GPU 1 exactly, which keeps GPU 0's three together.
+        assert set(preferred(served, migs, 2)) == set(migs[3:5])
+        assert set(preferred(served, migs, 3)) == set(migs[:3])
