@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent.deviceplugin.response import NodeFiles, RequestError, container_response
@@ -87,3 +89,14 @@ def test_volume_mounts_name_the_imex_channel_too() -> None:
     assert [m.container_path for m in response.mounts] == [
         f"/var/run/nvidia-container-devices/{state.inventory.gpus[2].uuid}",
         "/var/run/nvidia-container-devices/imex/0"]
+
+
+def test_node_files_are_read_from_the_capability_minors_and_the_device_nodes_present(tmp_path: Path) -> None:
+    minors = tmp_path / "mig-minors"
+    minors.write_text("config 1\nmonitor 2\ngpu0/gi1/access 21\ngpu0/gi1/ci0/access 22\nbroken line\n")
+    present = {"/dev/nvidiactl", "/dev/nvidia-modeset", "/dev/nvidia-caps-imex-channels/channel0"}
+    files = NodeFiles.read(exists=present.__contains__, mig_minors=minors)
+    assert files == NodeFiles(control_nodes=("/dev/nvidiactl", "/dev/nvidia-modeset"),
+                              mig_minors={"config": 1, "monitor": 2, "gpu0/gi1/access": 21, "gpu0/gi1/ci0/access": 22},
+                              imex_channel=True)
+    assert NodeFiles.read(exists=lambda _: False, mig_minors=tmp_path / "absent") == NodeFiles()
