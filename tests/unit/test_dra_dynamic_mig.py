@@ -352,3 +352,25 @@ async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_t
                           ("create", f"{MAIN}-counters", False), ("create", f"{MAIN}-gpu-0", False)]
     assert "devices" not in api.stored[f"{MAIN}-counters"]["spec"]
     assert "sharedCounters" not in api.stored[f"{MAIN}-gpu-0"]["spec"]
+
+
+async def test_with_dynamic_mig_builds_on_the_usual_publisher(tmp_path: Path, nvml_thread: Any) -> None:
+    from agent.dra.dynamic import with_dynamic_mig
+    from agent.dra.publisher import SlicePublisher
+
+    state, _, backend = mig_node()
+    api = Slices(keeps=True)
+    errors: list[int] = []
+    usual = SlicePublisher(api, StateBus(state), "n", DRIVER, on_error=lambda: errors.append(1))
+    publisher, dynamic = with_dynamic_mig(usual, backend, nvml_thread, tmp_path / "plugins" / "checkpoint.json")
+    assert (publisher.node, publisher.driver, publisher.name) == ("n", DRIVER, MAIN)
+    assert publisher.dynamic is dynamic
+    assert await publisher.sync(state) and sorted(api.stored) == [MAIN, f"{MAIN}-gpu-0"]
+    await dynamic.create("u", dynamic.devices(state)["gpu-0-mig-7g80gb-0"])
+    assert json.loads((tmp_path / "plugins" / "dynamic-mig.json").read_text())["devices"]["u/gpu-0-mig-7g80gb-0"][
+        "profile"] == "7g.80gb"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "dynamic-mig.json").write_text("{}")
+    with pytest.raises(DynamicMigError, match=r"^the dynamic MIG checkpoint .*/bad/dynamic-mig.json is not a "
+                       r"version 1 checkpoint$"):
+        with_dynamic_mig(usual, backend, nvml_thread, tmp_path / "bad" / "checkpoint.json")
