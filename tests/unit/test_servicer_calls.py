@@ -12,14 +12,18 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from agent.config import parse_config
+from agent.deviceplugin.response import NodeFiles
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import PlanCache
 from agent.metrics import Metrics
+from agent.nvml.records import DriverInfo, NodeInventory
 from agent.state import DeviceHealth, NodeState, StateBus
 from agent.topology.prefer import Preferences
 from tests.plugin_harness import short_dir
 from tests.unit.test_inventory import node
+from tests.unit.test_labels import gpu
 
 GPU = "nvidia.com/gpu"
 DGX_NUMA = [0, 0, 0, 0, 1, 1, 1, 1]
@@ -37,10 +41,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(state: NodeState, resource: str = GPU) -> Iterator[Served]:
+def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = None) -> Iterator[Served]:
     bus = StateBus(state)
     metrics = Metrics()
-    servicer = DevicePluginServicer(resource, bus, PlanCache(), Preferences(lambda: bus.current), metrics)
+    servicer = DevicePluginServicer(resource, bus, PlanCache(), Preferences(lambda: bus.current), metrics, files)
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
     api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)
     directory = short_dir()
@@ -282,3 +286,72 @@ def test_preferred_mig_devices_fill_one_gpu() -> None:
         # Two fit on GPU 1 exactly, which keeps GPU 0's three together.
         assert set(preferred(served, migs, 2)) == set(migs[3:5])
         assert set(preferred(served, migs, 3)) == set(migs[:3])
+
+
+def test_a_sixth_stream_is_refused_after_one_of_five_ended() -> None:
+    with serving(node()) as served:
+        streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(4)]
+        assert [len(next(s).devices) for s in streams] == [8] * 4
+        streams[0].cancel()
+        for attempt in range(200):  # the server sees the cancellation a moment later
+            again = served.stub.ListAndWatch(api_pb2.Empty())
+            try:
+                assert len(next(again).devices) == 8
+                break
+            except grpc.RpcError:
+                assert attempt < 199, "no stream was freed by the cancellation"
+        # Four are open again: one more is refused.
+        with pytest.raises(grpc.RpcError) as caught:
+            next(served.stub.ListAndWatch(api_pb2.Empty()))
+        assert refusal(caught.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s in [*streams[1:], again]:
+            s.cancel()
+
+
+async def test_list_and_watch_sends_nothing_for_a_state_that_changes_no_device() -> None:
+    with serving(node()) as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        next(stream)
+        await served.bus.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
+        assert [d.health for d in next(stream).devices].count("Unhealthy") == 1
+        await served.bus.update(mig_request="all-disabled")
+        await served.bus.update(health={})
+        assert [d.health for d in next(stream).devices] == ["Healthy"] * 8
+        stream.cancel()
+
+
+def test_gpus_without_a_numa_node_are_listed_without_topology() -> None:
+    state = NodeState(version=1, inventory=NodeInventory(driver=DriverInfo("570.133.20", "12.8"),
+                                                         gpus=(gpu(0, None), gpu(1, None)), links=()))
+    with serving(state) as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        assert [d.HasField("topology") for d in next(stream).devices] == [False, False]
+        stream.cancel()
+
+
+async def test_calls_after_a_change_see_the_new_state() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        assert preferred(served, ids, 1) == [ids[0]]
+        (first,) = allocate(served, [ids[2]]).container_responses
+        assert dict(first.envs) == {"NVIDIA_VISIBLE_DEVICES": ids[2]}
+        await served.bus.update(health={ids[2]: DeviceHealth(False, "XID 48")})
+        assert refused_allocate(served, [ids[2]])[1] == (
+            f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
+        # An unhealthy device may still be offered and required in a preference: the kubelet decides.
+        assert preferred(served, ids[1:3], 2, must=[ids[2]]) == ids[1:3]
+        by_index = served.bus.current.config.model_copy(update={"flags": parse_config(
+            "version: v1\nflags:\n  plugin:\n    deviceIDStrategy: index\n").flags})
+        await served.bus.update(config=by_index, health={})
+        (second,) = allocate(served, [ids[2]]).container_responses
+        assert dict(second.envs) == {"NVIDIA_VISIBLE_DEVICES": "2"}
+
+
+def test_device_specs_include_the_node_files_the_servicer_was_given() -> None:
+    config = "version: v1\nflags:\n  plugin:\n    passDeviceSpecs: true\n"
+    with serving(node(config=config), files=NodeFiles(control_nodes=("/dev/nvidiactl",))) as served:
+        (container,) = allocate(served, [served.ids[3]]).container_responses
+        assert [d.container_path for d in container.devices] == ["/dev/nvidia3", "/dev/nvidiactl"]
+    with serving(node(config=config)) as served:
+        (container,) = allocate(served, [served.ids[3]]).container_responses
+        assert [d.container_path for d in container.devices] == ["/dev/nvidia3"]
