@@ -292,7 +292,9 @@ async def test_without_the_gate_the_publisher_says_so_once_and_publishes_the_lay
         *(f"gpu-{i}" for i in range(1, 8)), f"gpu-0-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"]
 
 
-async def test_the_mig_manager_refuses_the_label_with_dynamic_mig(tmp_path: Path) -> None:
+async def test_the_mig_manager_refuses_the_label_with_dynamic_mig(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="agent.mig.controller")
     state, fake, backend = mig_node()
     config = parse_config(f"version: v1\ndra: {{enabled: true, dynamicMig: true}}\nmig: {{stateDir: {tmp_path}}}\n")
     bus = StateBus(NodeState(version=1, inventory=state.inventory, config=config))
@@ -311,6 +313,9 @@ async def test_the_mig_manager_refuses_the_label_with_dynamic_mig(tmp_path: Path
             "all-1g.10gb", "failed", "not applied: dra.dynamicMig is on, so DRA claims create and destroy this "
             "node's MIG devices; remove the nvidia.com/mig.config label or turn dra.dynamicMig off")
         assert gpu_instances(fake, 0) == []  # nothing changed
+        said = [r.getMessage() for r in caplog.records if r.name == "agent.mig.controller"]
+        assert said[0] == "dra.dynamicMig is on: the MIG manager applies no nvidia.com/mig.config label on this node"
+        assert said[1:] == [f"MIG layout all-1g.10gb: {status.reason}"]
     finally:
         task.cancel()
 
