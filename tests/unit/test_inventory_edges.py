@@ -130,3 +130,15 @@ def test_single_strategy_with_mig_enabled_but_no_devices() -> None:
     result = plan(node(config=SINGLE, mig={0: []}))
     assert result.problems[0].startswith("migStrategy single needs every GPU MIG-enabled with devices of one "
                                          "profile (None); not advertised: GPU 0 (no MIG devices); GPU 1 (MIG disabled)")
+
+
+def test_mps_warnings_name_the_mps_section() -> None:
+    config = "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devices: [9]}\n"
+    assert plan(node(config=config)).warnings == (
+        "sharing.mps.resources[0].devices[0]: 9 selects no device of nvidia.com/gpu on this node",)
+
+
+def test_asking_for_exactly_as_many_devices_as_there_are_is_no_warning() -> None:
+    config = ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+              "    - {name: nvidia.com/gpu, replicas: 2, devices: 8}\n")
+    assert plan(node(config=config)).warnings == ()
