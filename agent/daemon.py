@@ -19,6 +19,7 @@ from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.dra.dynamic import DynamicMig, DynamicMigError, with_dynamic_mig
 from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
 from agent.dra.publisher import SlicePublisher, claim_reader, publisher_for
 from agent.dra.slices import plugin_resources
@@ -263,7 +264,7 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
             log.warning("imex.channelIDs asks for channel 0, but %s does not exist; no channel is added",
                         IMEX_CHANNEL)
         bus = StateBus(state)
-        agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing.metrics),
+        agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing),
                       hangup if hangup is not None else asyncio.Event())
     except BaseException:
         await footing.release()
@@ -284,21 +285,26 @@ class DraParts:
     plugin: DraKubeletPlugin
 
 
-def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, metrics: Metrics) -> DraParts | None:
-    """The DRA parts when dra.enabled and the agent has an API server client to publish with; else None."""
+def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: Footing) -> DraParts | None:
+    """The DRA parts when dra.enabled and the agent has an API server client to publish with; else None. With
+    dra.dynamicMig the publisher offers MIG placements and the kubelet plugin makes MIG devices for claims."""
     dra = options.config.dra
     if not dra.enabled:
         return None
+    metrics = footing.metrics
     slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc,
                            on_health_mode=metrics.health_mode)
     if slices is None:
         return None
+    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root)
+    dynamic: DynamicMig | None = None
     try:
+        if dra.dynamic_mig:
+            slices, dynamic = with_dynamic_mig(slices, footing.backend, footing.nvml, paths.checkpoint)
         plugin = DraKubeletPlugin(
-            Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root), dra.driver_name,
-            slices.node, bus, claim_reader(slices), files.control_nodes, options.config.flags.dev_root,
-            slices.republish, files.mig_minors)
-    except ClaimError as err:
+            paths, dra.driver_name, slices.node, bus, claim_reader(slices), files.control_nodes,
+            options.config.flags.dev_root, slices.republish, files.mig_minors, dynamic)
+    except (ClaimError, DynamicMigError) as err:
         raise StartupError(str(err)) from None
     return DraParts(slices, plugin)
 
@@ -348,14 +354,16 @@ class Agent:
         preferences = Preferences(lambda: bus.current)
         self.plugins = PluginSet(
             lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
-            lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled),
+            lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled,
+                                     options.config.dra.dynamic_mig),
             options.kubelet_dir,
             bus,
             self.metrics,
         )
         self.monitor = HealthMonitor(self.backend, bus, self.nvml)
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
-        self.mig = MigController(self.backend, bus, self.nvml, self.metrics)
+        self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
+                                 dra.plugin.holders if dra is not None else list)
         self.mps = MpsDaemons(bus)
         self.reconciler: NodeReconciler | None = (
             NodeReconciler(options.kube, bus, _intent, owned, self.metrics.api_errors.inc)
@@ -404,7 +412,7 @@ class Agent:
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
         resources = self.plans(self.bus.current).resources
-        served = plugin_resources(resources, self.options.config.dra.enabled)
+        served = plugin_resources(resources, self.options.config.dra.enabled, self.options.config.dra.dynamic_mig)
         return {name: r.devices for name, r in resources.items() if name in served}
 
     def ready(self) -> tuple[bool, str]:

@@ -19,6 +19,10 @@ class PodResourcesUnavailable(RuntimeError):
     """The kubelet's PodResources socket did not answer."""
 
 
+CLAIM = "ResourceClaim"
+"""The resource of a DeviceHolder that is a prepared DRA claim (its pod field names the claim)."""
+
+
 @dataclass(frozen=True)
 class DeviceHolder:
     namespace: str

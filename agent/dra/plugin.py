@@ -39,6 +39,7 @@ from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)
@@ -332,6 +333,14 @@ class DraKubeletPlugin:
         if self._dynamic is not None:  # made at Prepare: the UUID and nodes are known only then
             known.update({name: ("", []) for name in self._dynamic.devices(state)})
         return known
+
+    def holders(self) -> list[DeviceHolder]:
+        """The devices of the prepared claims as the MIG manager counts who holds a GPU: one per device, by the
+        UUID of its GPU or MIG device (a replica's is its GPU's), the claim where a pod would be named."""
+        known = self._devices()
+        return [DeviceHolder(entry["namespace"], entry["name"], "", CLAIM, uuid)
+                for entry in self.store.claims.values() for d in entry["devices"]
+                if (uuid := known.get(d["device"], ("", []))[0])]
 
     def unprepare(self, uid: str) -> None:
         known = self.store.get(uid) is not None

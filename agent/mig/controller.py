@@ -18,7 +18,7 @@ from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import MigOps, NvmlBackend
-from agent.podresources import DeviceHolder, PodResourcesUnavailable, holders
+from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,19 @@ def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
     gpu_of = {g.uuid: g.index for g in state.inventory.gpus}
     gpu_of.update({m.uuid: m.parent_index for m in state.inventory.mig_devices})
     held = sorted({gpu_of[base] for h in busy if (base := h.device_id.split("::", 1)[0]) in gpu_of})
-    pods = ", ".join(dict.fromkeys(f"{h.namespace}/{h.pod}" for h in busy))
+    pods = ", ".join(dict.fromkeys(f"ResourceClaim {h.namespace}/{h.pod}" if h.resource == CLAIM
+                                   else f"{h.namespace}/{h.pod}" for h in busy))
     which = f"GPU {held[0]} is" if len(held) == 1 else f"GPUs {', '.join(map(str, held))} are"
     return f"{which} in use{waited} by {pods}"
 
 
 class MigController:
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], metrics: Metrics | None = None
-                 ) -> None:
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], metrics: Metrics | None = None,
+                 claimed: Callable[[], list[DeviceHolder]] = list) -> None:
         self._metrics = metrics
+        self._claimed = claimed
+        """In DRA mode the devices of the claims the kubelet plugin has prepared (the PodResources API lists only
+        the device plugin's)."""
         self._started = 0.0
         self._settled = False
         """The last failure cannot pass by trying again (an unknown layout, one the GPUs cannot take)."""
@@ -90,15 +94,17 @@ class MigController:
         changing = {p.index for p in plan.gpus if not p.noop}
         gpus = [g for g in state.inventory.gpus if g.index in changing]
         ids = {g.uuid for g in gpus} | {m.uuid for m in state.inventory.mig_devices if m.parent_index in changing}
-        if not settings.pod_resources_socket.exists():
+        ask_kubelet = settings.pod_resources_socket.exists()
+        if not ask_kubelet:
             log.warning("no kubelet PodResources socket at %s: not checking for pods on the GPUs",
                         settings.pod_resources_socket)
-            return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (settings.busy_wait_seconds if settings.busy_policy == "wait" else 0)
         while True:
+            busy = [h for h in self._claimed() if h.device_id in ids]
             try:
-                busy = await holders(settings.pod_resources_socket, ids)
+                if ask_kubelet:
+                    busy += await holders(settings.pod_resources_socket, ids)
             except PodResourcesUnavailable as err:
                 return f"cannot check which pods use the GPUs: {err}"
             if not busy:

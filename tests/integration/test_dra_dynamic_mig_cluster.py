@@ -34,6 +34,7 @@ from dra_rig import (
     create_pod,
     create_schedulable_node,
     delete_node,
+    dra_agent,
     gated_apiserver,
     gpu_instances,
     remove_workloads,
@@ -208,3 +209,40 @@ async def test_without_the_gate_the_agent_says_so_and_publishes_the_layout(
             f"the API server drops the shared counters of ResourceSlice dyn-mig-ungated-{DRIVER}-gpu-0 (the "
             "DRAPartitionableDevices feature gate is off): dra.dynamicMig is off until the agent restarts; MIG "
             "devices are published as the GPUs' layout has them"]
+
+
+async def test_the_agent_with_dynamic_mig_publishes_placements_and_prepares_a_claim(
+        partitionable: GatedApiServer, partitionable_scheduler: ControlPlane) -> None:
+    """The whole agent, as `gpu-agent run` builds it, with dra.dynamicMig: GPU 0 (MIG mode, no instances) is
+    offered as its placements in a slice of its own, the device plugin serves no MIG resource, and a claim the
+    scheduler allocated is prepared by making the MIG device."""
+    fake = FakeNvml(load_node("dgx-h100"))
+    carve_mig(fake, 0, [])
+    kubeconfig = partitionable.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    async with dra_agent(partitionable, kubeconfig, "dyn-agent", "dgx-h100", fake=fake,
+                         config="flags: {migStrategy: mixed}\n", dra=", dynamicMig: true") as (agent, _):
+        assert agent.dra is not None
+        published = await asyncio.to_thread(slices_of, partitionable, "dyn-agent")
+        found = {s["metadata"]["name"]: s["spec"] for s in published}
+        assert sorted(found) == [f"dyn-agent-{DRIVER}", f"dyn-agent-{DRIVER}-gpu-0"]
+        gpu0 = found[f"dyn-agent-{DRIVER}-gpu-0"]
+        assert gpu0["sharedCounters"][0]["name"] == "gpu-0-counter-set"
+        # H100 80GB placements: 7 x 1g.10gb, 7 x 1g.10gb+me, 4 x 1g.20gb, 3 x 2g.20gb, 2 x 3g.40gb, 1 x 4g.40gb,
+        # 1 x 7g.80gb.
+        assert len(gpu0["devices"]) == 25
+        assert [d["name"] for d in found[f"dyn-agent-{DRIVER}"]["devices"]] == [f"gpu-{i}" for i in range(1, 8)]
+        assert sorted(agent.devices()) == []  # whole GPUs and MIG devices are all the DRA driver's
+
+        await asyncio.to_thread(create_claim, partitionable, "slice", profile_claim("3g.40gb"))
+        await asyncio.to_thread(create_pod, partitionable, "slice", "slice")
+        (_, [(_, _, device)]) = await asyncio.to_thread(allocated, partitionable, "slice")
+        claim = await asyncio.to_thread(claim_of_pod, partitionable, "slice")
+        assert claim is not None
+        meta = claim["metadata"]
+        request = v1.NodePrepareResourcesRequest(claims=[v1.Claim(namespace=NAMESPACE, uid=meta["uid"],
+                                                                  name=meta["name"])])
+        answer = (await dra_plugin._DraV1(agent.dra.plugin).NodePrepareResources(request, None)).claims[meta["uid"]]
+        assert answer.error == ""
+        assert [d.device_name for d in answer.devices] == [device]
+        start = int(device.rsplit("-", 1)[1])
+        assert gpu_instances(fake, 0) == [(start, 4, 1)]

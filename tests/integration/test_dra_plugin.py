@@ -49,6 +49,7 @@ from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from tests.plugin_harness import carve_mig, short_dir
+from tests.plugin_harness import wait_until as until
 
 NODE = "dra-kubelet"
 # The fake's UUIDs of GPUs 0 and 1 of the a100-pcie-nvlink-pairs preset (gpu-agent inspect shows them).
@@ -403,3 +404,38 @@ async def test_mps_replicas_of_one_gpu_make_one_client_and_a_mixed_claim_is_refu
                 if line.startswith("started pid="):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(int(line.split()[1].removeprefix("pid=")), signal.SIGKILL)
+
+
+async def test_a_mig_label_waits_for_the_gpus_a_prepared_claim_holds(
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+    """The MIG manager counts the devices of prepared claims as held: the kubelet's PodResources API lists only
+    the device plugin's, so without them a relabel would re-partition GPUs a running pod has."""
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    core = k8s.CoreV1Api(apiserver.admin_client())
+    async with dra_agent(apiserver, kubeconfig, "dra-mig-busy", "a100-pcie-nvlink-pairs", root=root) as (agent, _):
+        await asyncio.to_thread(create_claim, apiserver, "held", ON_ONE_PAIR)
+        await asyncio.to_thread(create_pod, apiserver, "held", "held")
+        assert await asyncio.to_thread(allocated, apiserver, "held") == (
+            "dra-mig-busy", [("gpus", "dra-mig-busy", "gpu-0"), ("gpus", "dra-mig-busy", "gpu-1")])
+        claim = await asyncio.to_thread(claim_of_pod, apiserver, "held")
+        assert claim is not None
+        meta = claim["metadata"]
+        async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+            answer = await v1_grpc.DRAPluginStub(channel).NodePrepareResources(v1.NodePrepareResourcesRequest(
+                claims=[v1.Claim(namespace=NAMESPACE, uid=meta["uid"], name=meta["name"])]), timeout=10)
+        assert answer.claims[meta["uid"]].error == ""
+
+        await asyncio.to_thread(core.patch_node, "dra-mig-busy",
+                                {"metadata": {"labels": {"nvidia.com/mig.config": "all-1g.10gb"}}})
+
+        def state() -> tuple[str | None, str | None]:
+            found = core.read_node("dra-mig-busy").metadata
+            return ((found.labels or {}).get("nvidia.com/mig.config.state"),
+                    (found.annotations or {}).get("nvidia.com/mig.config.state.reason"))
+
+        _, reason = await until(lambda: (s := state())[0] == "failed" and s, timeout=30,
+                                what="the layout refused", blocking=True)
+        assert reason is not None and reason.startswith(
+            f"GPUs 0, 1 are in use by ResourceClaim {NAMESPACE}/{meta['name']}")
+        assert agent.backend.inventory().mig_devices == ()  # nothing changed
