@@ -115,3 +115,9 @@ def test_two_gpus_of_one_class_count_their_own_pair_in_the_remainder() -> None:
         (0, 1): 4, (0, 2): 4, (1, 2): 4, (3, 4): 4, (3, 5): 4, (4, 5): 4, (6, 7): 4, (6, 8): 4, (7, 8): 4,
         (3, 9): 2, (4, 9): 2, (5, 9): 2})
     assert preferred_gpus(topo, [0, 2, 3, 7, 8], [], 2) == [0, 2]
+
+
+def test_required_gpus_on_two_nodes_count_both_in_the_span() -> None:
+    # GPUs 0, 1 on NUMA node 0 and 2, 3 on node 1, no NVLink. With 0 and 2 required, adding 1 or 3 gives the same
+    # value (30 + 10 + 10) and the same span (both nodes are in use already); the index order gives 0, 1, 2.
+    assert preferred_gpus(Topology.build([0, 0, 1, 1], {}, {}), [0, 1, 2, 3], [0, 2], 3) == [0, 1, 2]
