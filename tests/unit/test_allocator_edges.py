@@ -121,3 +121,13 @@ def test_required_gpus_on_two_nodes_count_both_in_the_span() -> None:
     # GPUs 0, 1 on NUMA node 0 and 2, 3 on node 1, no NVLink. With 0 and 2 required, adding 1 or 3 gives the same
     # value (30 + 10 + 10) and the same span (both nodes are in use already); the index order gives 0, 1, 2.
     assert preferred_gpus(Topology.build([0, 0, 1, 1], {}, {}), [0, 1, 2, 3], [0, 2], 3) == [0, 1, 2]
+
+
+def test_a_set_over_two_nodes_is_found_when_it_has_the_higher_value() -> None:
+    # Triangles 0-1-2, 3-4-5 and 6-7-8 of 4 NVLinks each; 3, 4, 5 joined to 6, 7, 8 by 2. GPUs 0-3 on NUMA node 0.
+    # Of 0, 1, 2, 3, 4, 6, 8, four GPUs: 3, 4, 6, 8 score 400 + 400 + 4 x 200 = 1600 across two nodes, against
+    # 1200 + 90 for 0, 1, 2, 3 on one node.
+    links = {(0, 1): 4, (0, 2): 4, (1, 2): 4, (3, 4): 4, (3, 5): 4, (4, 5): 4, (6, 7): 4, (6, 8): 4, (7, 8): 4}
+    links.update({(a, b): 2 for a in (3, 4, 5) for b in (6, 7, 8)})
+    topo = Topology.build([0] * 4 + [1] * 5, {}, links)
+    assert preferred_gpus(topo, [0, 1, 2, 3, 4, 6, 8], [], 4) == [3, 4, 6, 8]
