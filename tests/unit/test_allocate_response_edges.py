@@ -100,3 +100,10 @@ def test_node_files_are_read_from_the_capability_minors_and_the_device_nodes_pre
                               mig_minors={"config": 1, "monitor": 2, "gpu0/gi1/access": 21, "gpu0/gi1/ci0/access": 22},
                               imex_channel=True)
     assert NodeFiles.read(exists=lambda _: False, mig_minors=tmp_path / "absent") == NodeFiles()
+
+
+def test_two_of_three_mps_replicas_get_two_thirds_rounded_down() -> None:
+    response, _ = mps_respond("sharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 3}\n",
+                              picks=(0, 1))
+    assert response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "66"
+    assert response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={H100_MEMORY_MIB * 2 // 3}M"
