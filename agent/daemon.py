@@ -26,6 +26,7 @@ from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
+from agent.kube.selfpod import check_reloaded
 from agent.labels import node_labels, owned
 from agent.locks import DirectoryLock, Held
 from agent.metrics import HttpEndpoint, Metrics
@@ -463,6 +464,11 @@ class Agent:
             return False
         if new == self.bus.current.config:
             return True
+        if new.health.taint != self.bus.current.config.health.taint and (
+                untolerated := await check_reloaded(self.options.kube, new.health.taint)) is not None:
+            log.error("config reload rejected; keeping the last good config: %s", untolerated)
+            await self.bus.record([("", "config-rejected", f"config reload rejected: {untolerated}")])
+            return False
         for line in new.without_effect:
             log.warning("%s", line)
         self.metrics.config_in_force(new.without_effect)
@@ -505,7 +511,9 @@ class Agent:
                 return None
             return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-        seen = identity()
+        # Not the file's identity now: the config in force was read before this task started, and a change in
+        # between must not go unseen. The first look reads the file again (an unchanged config changes nothing).
+        seen: tuple[object, ...] | None = None
         requested = bus.current.config_request
         while True:
             version = bus.current.version

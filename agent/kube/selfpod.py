@@ -136,16 +136,15 @@ async def check_at_start(api: PodReader, taint: TaintSettings, env: Mapping[str,
         log.log(level, "%s", line)
 
 
-async def check_reloaded(api: object, taint: TaintSettings, env: Mapping[str, str] = os.environ) -> bool:
-    """After a config reload: one warning line when the pod does not tolerate the new taint. False then.
-    `api` is the agent's API client (AgentOptions.kube); without one that reads Pods (None under --no-kube),
-    nothing is checked."""
+async def check_reloaded(api: object, taint: TaintSettings, env: Mapping[str, str] = os.environ) -> str | None:
+    """Before a reloaded config is taken: why the pod does not tolerate its taint (the reload is then rejected),
+    or None. A check that cannot be made is one warning line and None. `api` is the agent's API client
+    (AgentOptions.kube); without one that reads Pods (None under --no-kube), nothing is checked."""
     if not isinstance(api, PodReader):
-        return True
+        return None
     level, line = await _verdict(api, taint, env)
     if level == logging.ERROR:
-        log.warning("reloaded config: %s", line)
-        return False
+        return line
     if level == logging.WARNING:
         log.warning("%s", line)
-    return True
+    return None

@@ -5,11 +5,14 @@ one line naming the toleration to add, and an identity without the Role gets one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,3 +174,42 @@ def test_outside_a_pod_the_check_is_skipped_with_one_info_line(agent_kubeconfig:
     mine = [line.split(" agent.kube.selfpod: ", 1)[1] for line in lines if " agent.kube.selfpod: " in line]
     assert mine == ["not running in a pod (POD_NAME is not set): not checking that it tolerates health.taint "
                     "gpu-node-agent.io/node-fatal=true:NoSchedule"]
+
+
+def test_a_reloaded_taint_the_pod_does_not_tolerate_is_rejected_and_the_last_good_config_kept(
+        agent_kubeconfig: Path, tmp_path: Path) -> None:
+    path = config(tmp_path, "gpu-node-agent.io/gpu-fault", "NoSchedule")
+    agent = run(agent_kubeconfig, path, IN_POD)
+    assert agent.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.rstrip("\n")) for line in agent.stderr or ()], daemon=True).start()
+    seen: list[str] = []
+
+    def wait_for(text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=0.5))
+                if text in seen[-1]:
+                    return seen[-1]
+        raise AssertionError(f"no line with {text!r} in {seen}")
+
+    try:
+        wait_for("agent started:")
+        # What a ConfigMap update does: the mounted file is replaced.
+        replaced = tmp_path / "config.yaml.new"
+        replaced.write_text(path.read_text().replace("gpu-node-agent.io/gpu-fault", "gpu-node-agent.io/node-fatal"))
+        replaced.replace(path)
+        rejected = wait_for("config reload rejected", 30)
+        assert rejected.split(" agent.daemon: ", 1)[1] == (
+            "config reload rejected; keeping the last good config: health.taint "
+            "gpu-node-agent.io/node-fatal=true:NoSchedule is not tolerated by pod "
+            f"{NAMESPACE}/{POD} (once the agent restarts on a node it tainted, its pod cannot come back and the "
+            "node never recovers); add {key: gpu-node-agent.io/node-fatal, operator: Exists} to the DaemonSet's "
+            "tolerations, or set health.taint to a taint the pod tolerates")
+        assert agent.poll() is None  # still serving, on the last good config
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    assert agent.returncode == 0
+    assert not [line for line in seen if "Traceback" in line]

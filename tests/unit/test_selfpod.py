@@ -108,16 +108,17 @@ async def test_a_check_that_cannot_be_made_is_one_warning(error: Exception, line
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", line)]
 
 
-async def test_a_reloaded_taint_that_is_not_tolerated_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_reloaded_taint_that_is_not_tolerated_is_the_reason_to_reject_it(
+        caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, "agent.kube.selfpod"):
-        assert await check_reloaded(Pods(TOLERANT), TaintSettings(), IN_POD) is True
-        assert await check_reloaded(None, TaintSettings(key="gpu-node-agent.io/x"), IN_POD) is True  # --no-kube
-        assert await check_reloaded(Pods(TOLERANT), TaintSettings(key="gpu-node-agent.io/x"), IN_POD) is False
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
-        "WARNING", "reloaded config: health.taint gpu-node-agent.io/x=true:NoSchedule is not tolerated by pod "
-                   "gpu-node-agent/gpu-node-agent-x7k2p (once the agent restarts on a node it tainted, its pod cannot "
-                   "come back and the node never recovers); add {key: gpu-node-agent.io/x, operator: Exists} to the "
-                   "DaemonSet's tolerations, or set health.taint to a taint the pod tolerates")]
+        assert await check_reloaded(Pods(TOLERANT), TaintSettings(), IN_POD) is None
+        assert await check_reloaded(None, TaintSettings(key="gpu-node-agent.io/x"), IN_POD) is None  # --no-kube
+        assert await check_reloaded(Pods(TOLERANT), TaintSettings(key="gpu-node-agent.io/x"), IN_POD) == (
+            "health.taint gpu-node-agent.io/x=true:NoSchedule is not tolerated by pod "
+            "gpu-node-agent/gpu-node-agent-x7k2p (once the agent restarts on a node it tainted, its pod cannot "
+            "come back and the node never recovers); add {key: gpu-node-agent.io/x, operator: Exists} to the "
+            "DaemonSet's tolerations, or set health.taint to a taint the pod tolerates")
+    assert caplog.records == []
 
 
 def test_the_checked_value_is_the_one_the_agent_taints_with() -> None:
