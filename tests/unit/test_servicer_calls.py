@@ -340,11 +340,18 @@ async def test_calls_after_a_change_see_the_new_state() -> None:
             f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
         # An unhealthy device may still be offered and required in a preference: the kubelet decides.
         assert preferred(served, ids[1:3], 2, must=[ids[2]]) == ids[1:3]
-        by_index = served.bus.current.config.model_copy(update={"flags": parse_config(
-            "version: v1\nflags:\n  plugin:\n    deviceIDStrategy: index\n").flags})
-        await served.bus.update(config=by_index, health={})
+        # A state that changes none of the devices: the same answers.
+        await served.bus.update(mig_request="all-disabled")
+        assert refused_allocate(served, [ids[2]])[1] == (
+            f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
+        assert dict(allocate(served, [ids[1]]).container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": ids[1]}
+        # A new config: the responses follow it.
+        flags = parse_config("version: v1\nflags:\n  gdrcopyEnabled: true\n  plugin:\n"
+                             "    deviceListStrategy: volume-mounts\n").flags
+        await served.bus.update(config=served.bus.current.config.model_copy(update={"flags": flags}), health={})
         (second,) = allocate(served, [ids[2]]).container_responses
-        assert dict(second.envs) == {"NVIDIA_VISIBLE_DEVICES": "2"}
+        assert dict(second.envs) == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices",
+                                     "NVIDIA_GDRCOPY": "enabled"}
 
 
 def test_device_specs_include_the_node_files_the_servicer_was_given() -> None:
