@@ -184,3 +184,23 @@ def carve_mig(fake: FakeNvml, gpu: int, instances: list[tuple[str, int]]) -> Non
             fake.nvmlGpuInstanceCreateComputeInstance(gi, ci.id)
     finally:
         fake.nvmlShutdown()
+
+
+def gpu_instances(fake: FakeNvml, gpu: int) -> list[tuple[int, int, int]]:
+    """(placement start, size, compute instances) of each GPU instance of a GPU in MIG mode, by the fake's own
+    MIG calls."""
+    fake.nvmlInit()
+    try:
+        handle = fake.nvmlDeviceGetHandleByIndex(gpu)
+        found = []
+        for slot in range(fake.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except pynvml.NVMLError_NotFound:
+                continue
+            gi = fake.nvmlDeviceGetGpuInstanceById(handle, fake.nvmlDeviceGetGpuInstanceId(mig))
+            info = fake.nvmlGpuInstanceGetInfo(gi)
+            found.append((int(info.placement.start), int(info.placement.size), 1))
+        return sorted(found)
+    finally:
+        fake.nvmlShutdown()

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pynvml
 import yaml
 from apiserver import REPO, TESTBIN, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
@@ -310,26 +309,6 @@ async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: s
             shutil.rmtree(directory, ignore_errors=True)
         if not keep:
             await asyncio.to_thread(delete_node, apiserver, node)
-
-
-def gpu_instances(fake: FakeNvml, gpu: int) -> list[tuple[int, int, int]]:
-    """(placement start, size, compute instances) of each GPU instance of a GPU in MIG mode, by the fake's own
-    MIG calls."""
-    fake.nvmlInit()
-    try:
-        handle = fake.nvmlDeviceGetHandleByIndex(gpu)
-        found = []
-        for slot in range(fake.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except pynvml.NVMLError_NotFound:
-                continue
-            gi = fake.nvmlDeviceGetGpuInstanceById(handle, fake.nvmlDeviceGetGpuInstanceId(mig))
-            info = fake.nvmlGpuInstanceGetInfo(gi)
-            found.append((int(info.placement.start), int(info.placement.size), 1))
-        return sorted(found)
-    finally:
-        fake.nvmlShutdown()
 
 
 def node_exists(apiserver: ApiServer, name: str) -> bool:

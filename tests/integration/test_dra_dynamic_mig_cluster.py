@@ -36,7 +36,6 @@ from dra_rig import (
     delete_node,
     dra_agent,
     gated_apiserver,
-    gpu_instances,
     remove_workloads,
     setup_cluster,
     slices_of,
@@ -53,7 +52,7 @@ from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState, StateBus
-from tests.plugin_harness import carve_mig, short_dir
+from tests.plugin_harness import carve_mig, gpu_instances, short_dir
 
 pytestmark = pytest.mark.testbin
 

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import pynvml
 import pytest
 
 from agent.config import parse_config
@@ -29,7 +28,7 @@ from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState, StateBus
-from tests.plugin_harness import carve_mig
+from tests.plugin_harness import carve_mig, gpu_instances
 
 DRIVER = "gpu.gpu-node-agent.io"
 MAIN = f"n-{DRIVER}"
@@ -148,23 +147,6 @@ def test_a_mig_device_made_for_a_claim_is_not_published_twice() -> None:
     assert "gpu-0-mig-3g40gb-4" in devices_of(slices[1][1])
 
 
-def gpu_instances(fake: FakeNvml, gpu: int) -> list[tuple[int, int, int]]:
-    """(placement start, size, compute instances) of each GPU instance, by the fake's own MIG calls."""
-    fake.nvmlInit()
-    try:
-        handle = fake.nvmlDeviceGetHandleByIndex(gpu)
-        found = []
-        for index in range(fake.nvmlDeviceGetMaxMigDeviceCount(handle)):
-            try:
-                mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
-            except pynvml.NVMLError_NotFound:
-                continue
-            gi = fake.nvmlDeviceGetGpuInstanceById(handle, fake.nvmlDeviceGetGpuInstanceId(mig))
-            info = fake.nvmlGpuInstanceGetInfo(gi)
-            found.append((int(info.placement.start), int(info.placement.size), 1))
-        return sorted(found)
-    finally:
-        fake.nvmlShutdown()
 
 
 @pytest.fixture
