@@ -91,11 +91,6 @@ class DeviceIndex:
         return list(found.values())
 
 
-def lookup(resource: str, devices: tuple[Device, ...], ids: Sequence[str], *, need_healthy: bool) -> list[Device]:
-    """The devices named by `ids`, duplicates removed, order kept; RequestError on an unknown or unhealthy ID."""
-    return DeviceIndex(resource, devices).lookup(ids, need_healthy=need_healthy)
-
-
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
 
@@ -254,6 +249,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         resource, index = self._indexed(state)
         builder = self._responses(state)
         response = api_pb2.AllocateResponse()
+        handed_out = 0
         try:
             for creq in request.container_requests:
                 ids = creq.devices_ids
@@ -266,12 +262,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                     )
                 chosen = index.lookup(ids, need_healthy=True)
                 builder.fill(response.container_responses.add(), chosen, resource)
-                if self._metrics:
-                    self._counter("allocations").inc(len(chosen))
+                handed_out += len(chosen)
         except RequestError as err:
             if self._metrics:
                 self._counter("allocate_errors").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if self._metrics and handed_out:  # counted once the whole call is answered: a refused one hands out none
+            self._counter("allocations").inc(handed_out)
         return response
 
     def PreStartContainer(

@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import PlanCache
 from agent.metrics import Metrics
-from agent.nvml.records import DriverInfo, NodeInventory
+from agent.nvml.records import DriverInfo, NodeInventory, PairLink
 from agent.state import DeviceHealth, NodeState, StateBus
 from agent.topology.prefer import Preferences
 from tests.plugin_harness import short_dir
@@ -362,3 +362,52 @@ def test_device_specs_include_the_node_files_the_servicer_was_given() -> None:
     with serving(node(config=config)) as served:
         (container,) = allocate(served, [served.ids[3]]).container_responses
         assert [d.container_path for d in container.devices] == ["/dev/nvidia3"]
+
+
+def test_a_call_refused_at_its_second_container_counts_no_allocation() -> None:
+    with serving(node()) as served:
+        ids = served.ids
+        assert refused_allocate(served, [ids[0], ids[1]], ["GPU-x"]) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "unknown device ID 'GPU-x' for resource nvidia.com/gpu")
+        assert counter(served.metrics, "gpu_agent_allocations_total") is None
+        assert counter(served.metrics, "gpu_agent_allocate_errors_total") == 1.0
+        allocate(served, [ids[2]], [ids[3], ids[4]])
+        assert refused_allocate(served, [ids[5]], [])[1] == "allocate request for nvidia.com/gpu names no devices"
+        assert counter(served.metrics, "gpu_agent_allocations_total") == 3.0
+
+
+def four_a100s(numa: list[int], nvlink_pairs: list[tuple[int, int]], minors: list[int]) -> NodeInventory:
+    """Four A100s with the given NUMA nodes, NVLink pairs (12 links each, the rest over the system) and minors."""
+    links = tuple(PairLink(a, b, 12 if (a, b) in nvlink_pairs else 0, "single" if (a, b) in nvlink_pairs else "system")
+                  for a in range(4) for b in range(a + 1, 4))
+    return NodeInventory(driver=DriverInfo("570.133.20", "12.8"),
+                         gpus=tuple(replace(gpu(i, numa[i]), minor=minors[i]) for i in range(4)), links=links)
+
+
+async def test_a_new_inventory_reaches_preferences_and_device_specs() -> None:
+    config = parse_config("version: v1\nflags:\n  plugin:\n    passDeviceSpecs: true\n")
+    before = four_a100s([0, 0, 1, 1], [(0, 1), (2, 3)], [0, 1, 2, 3])
+    with serving(NodeState(version=1, inventory=before, config=config)) as served:
+        ids = served.ids
+        assert preferred(served, ids, 2, must=[ids[0]]) == [ids[0], ids[1]]
+        (container,) = allocate(served, [ids[1]]).container_responses
+        assert [d.container_path for d in container.devices] == ["/dev/nvidia1"]
+        # The same GPUs, re-cabled and renumbered: GPU 0's NVLink and NUMA partner is now GPU 2, GPU 1 is minor 3.
+        after = four_a100s([0, 1, 0, 1], [(0, 2), (1, 3)], [0, 3, 2, 1])
+        await served.bus.update(inventory=after)
+        assert preferred(served, ids, 2, must=[ids[0]]) == [ids[0], ids[2]]
+        (container,) = allocate(served, [ids[1]]).container_responses
+        assert [d.container_path for d in container.devices] == ["/dev/nvidia3"]
+
+
+def test_mps_memory_is_that_of_the_gpu_the_replicas_are_on() -> None:
+    inventory = NodeInventory(driver=DriverInfo("570.133.20", "12.8"),
+                              gpus=(gpu(0, 0), replace(gpu(1, 0), memory_mib=40960)), links=())
+    config = parse_config("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n")
+    state = NodeState(version=1, inventory=inventory, config=config, mps={g.uuid: "" for g in inventory.gpus})
+    with serving(state) as served:
+        second = served.ids[1]
+        (container,) = allocate(served, [f"{second}::0"]).container_responses
+        assert container.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+        (container,) = allocate(served, [f"{served.ids[0]}::2"]).container_responses
+        assert container.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
