@@ -76,3 +76,13 @@ def test_an_index_made_once_answers_as_one_made_per_call() -> None:
         for policy in ("distributed", "packed"):
             assert preferred_shared(topo, replicas, available, must, size, policy, index) == preferred_shared(
                 topo, replicas, available, must, size, policy)
+
+
+def test_a_gpus_load_counts_its_allocated_replicas_when_gpus_have_different_counts() -> None:
+    # Time-sliced MIG devices: GPU 0 holds six replicas (three devices of two), GPU 1 two (one device of two).
+    topo = Topology.build(numa=[0, 0], pcie={}, nvlink={})
+    replicas = {**{f"a::{i}": 0 for i in range(6)}, "b::0": 1, "b::1": 1}
+    # Three of GPU 0's replicas are allocated, none of GPU 1's: GPU 1 is the less loaded.
+    assert preferred_shared(topo, replicas, ["a::3", "a::4", "a::5", "b::0", "b::1"], [], 1) == ["b::0"]
+    # None of GPU 0's allocated and one of GPU 1's: GPU 0 is.
+    assert preferred_shared(topo, replicas, [*(f"a::{i}" for i in range(6)), "b::1"], [], 1) == ["a::0"]
