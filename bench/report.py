@@ -130,6 +130,9 @@ def _apiserver(details: dict[str, Any]) -> list[str]:
         "",
         f"- **XID {taint['xid']} to taint** (`{taint['taint']}`), {taint['calls']} injections, one fresh agent "
         f"each, sorted, in ms: {samples}.",
+        *([f"- **DRA mode: XID {w['xid']} to the GPU withdrawn from the slice**, {w['calls']} injections on one "
+           f"agent, sorted, in ms: {', '.join(f'{ms:.1f}' for ms in sorted(w['samples_ms']))}."]
+          if (w := details.get("dra_withdrawal")) else []),
         f"- **Steady state.** A fresh agent made {steady['agent_writes_to_converge']} write(s) to converge the "
         f"Node, then {steady['agent_writes']} in {steady['window_s']:.0f} s; the benchmark's watch saw "
         f"{steady['node_updates_seen']} Node update(s); resourceVersion {steady['resource_version_before']} "
@@ -260,15 +263,23 @@ def _method(results: dict[str, Any]) -> list[str]:
         f"random 0-{constants['event_wait_ms']} ms, then calls `inject_xid(gpu, {taint['xid']})` on a random "
         f"GPU ({taint['xid']}: off the bus, node-fatal by the default policy) and times to the first Node "
         "version carrying the taint.",
+        *(["- **DRA mode: XID to withdrawal.** One agent in DRA mode on the fake `dgx-h100`, its own Node, health "
+        "sampled every 0.1 s (so that a reset GPU is healthy again quickly; the XID arrives as an NVML event "
+        "either way). The benchmark follows the agent's ResourceSlice on its own watch; each injection "
+        f"(`inject_xid(gpu, 48)`, a double-bit ECC error, on a random GPU after a random 0-"
+        f"{constants['event_wait_ms']} ms pause) is timed to the first slice version without that GPU (the "
+        "rig's API server drops device taints, so the GPU is withdrawn), then the GPU is reset and the next "
+        "injection waits until the slice has it again."] if "dra_withdrawal" in details else []),
         f"- **Steady state.** A fresh agent (`{steady['preset']}`, default config) converges the Node; from "
         f"then on for {steady['window_s']:.0f} s the benchmark counts `NodeApi.writes` (every patch, condition "
         "and Event the agent sends) and the Node versions on its watch, and reads the resourceVersion before "
         "and after.",
         "- **Budgets.** GetPreferredAllocation p99 < 20 ms is set for 16 GPUs; the smaller nodes, the MIG "
         "devices and the replicas are held to it too. Allocate p99 < 2 ms, health change to ListAndWatch "
-        "< 100 ms (p99 and max), XID to taint < 1 s (p99 and max), no API write and no Node update in steady "
-        "state, RSS < 100 MB (with and without the API client), idle CPU < 1 % of a core. Rows marked — are "
-        "context without a budget; rows marked report were asked for as figures without a budget.",
+        "< 100 ms (p99 and max), XID to taint < 1 s (p99 and max), in DRA mode XID to withdrawal < 1 s (p99 "
+        "and max), no API write and no Node update in steady state, RSS < 100 MB (with and without the API "
+        "client), idle CPU < 1 % of a core. Rows marked — are context without a budget; rows marked report were "
+        "asked for as figures without a budget.",
         "- **Reproduce.** `make bench` runs `bench/allocator_bench.py` (the allocator alone, into "
         "`bench/out/`) and `bench/run.py`, which writes `bench/results.json` and this page; "
         "`python bench/report.py` re-renders the page from the JSON. `bench/run.py --quick` is a smoke run "

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
-from bench import cluster_bench, grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
+from bench import cluster_bench, dra_bench, grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
 from tests.integration import apiserver  # noqa: E402
 
 PREFERRED_PRESETS = ("a100-pcie-nvlink-pairs", "dgx-h100", "hgx-16-nvswitch", "pcie-16-nvlink-pairs")
@@ -50,7 +50,9 @@ REPLICA_CONFIG = (f"version: v1\nsharing:\n  timeSlicing:\n    resources:\n    -
                   f"      replicas: {REPLICAS}\n")
 APPLY_PRESET, APPLY_LAYOUT, APPLY_FROM = "dgx-h100", "all-balanced", "all-disabled"
 RIG_NODE = "bench-node"
+DRA_NODE = "bench-dra-node"
 TAINT_PRESET = "dgx-h100"
+DRA_PRESET = "dgx-h100"
 STEADY_PRESET = "dgx-h100"
 TELEMETRY_PRESET = "dgx-h100"
 
@@ -169,7 +171,7 @@ class Sections:
 
 SECTIONS = ("preferred", "allocate", "many_devices", "health", "telemetry", "mig_apply", "floor", "process",
             "apiserver")
-"""What --only can choose; apiserver is the taint, steady-state and API-client process figures."""
+"""What --only can choose; apiserver is the taint, DRA withdrawal, steady-state and API-client process figures."""
 
 
 async def measure(plan: Plan, seed: int, workdir: Path,
@@ -360,7 +362,7 @@ async def measure(plan: Plan, seed: int, workdir: Path,
     if want("apiserver"):
         apiserver.ensure_testbin()
         started = time.monotonic()
-        with apiserver.running(workdir / "apiserver", nodes=(RIG_NODE,)) as rig:
+        with apiserver.running(workdir / "apiserver", nodes=(RIG_NODE, DRA_NODE)) as rig:
             kubeconfig = rig.kubeconfig_path
             details["apiserver"] = {"versions": apiserver.pinned_versions(), "node": RIG_NODE,
                                     "start_s": round(time.monotonic() - started, 1)}
@@ -377,7 +379,22 @@ async def measure(plan: Plan, seed: int, workdir: Path,
                 figure("taint.max", f"{label}, max", taint["max_ms"], "ms", "<", TAINT_MS),
             ]
             print(f"XID to taint: p50 {taint['p50_ms']} ms, p99 {taint['p99_ms']} ms, max {taint['max_ms']} ms over "
-                  f"{taint['calls']} injections; {plan.steady_state_s:.0f} s of steady state ...", flush=True)
+                  f"{taint['calls']} injections; DRA mode, XID {dra_bench.XID} to the slice ...", flush=True)
+
+            with section("dra_withdrawal"):
+                withdrawal = await dra_bench.xid_to_withdrawal(kubeconfig, DRA_NODE, DRA_PRESET,
+                                                               plan.taint_injections, _rng(seed, "dra"))
+            details["dra_withdrawal"] = withdrawal
+            label = (f"DRA mode: XID {withdrawal['xid']} to the GPU withdrawn from the agent's ResourceSlice in "
+                     f"kube-apiserver ({DRA_PRESET})")
+            figures += [
+                figure("dra.withdrawal.p50", f"{label}, p50", withdrawal["p50_ms"], "ms"),
+                figure("dra.withdrawal.p99", f"{label}, p99", withdrawal["p99_ms"], "ms", "<", TAINT_MS),
+                figure("dra.withdrawal.max", f"{label}, max", withdrawal["max_ms"], "ms", "<", TAINT_MS),
+            ]
+            print(f"DRA XID to withdrawal: p50 {withdrawal['p50_ms']} ms, p99 {withdrawal['p99_ms']} ms, max "
+                  f"{withdrawal['max_ms']} ms over {withdrawal['calls']} injections; {plan.steady_state_s:.0f} s of "
+                  "steady state ...", flush=True)
 
             with section("steady_state"):
                 steady = await kube_bench.steady_state(kubeconfig, RIG_NODE, STEADY_PRESET, plan.steady_state_s)
