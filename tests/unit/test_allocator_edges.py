@@ -131,3 +131,18 @@ def test_a_set_over_two_nodes_is_found_when_it_has_the_higher_value() -> None:
     links.update({(a, b): 2 for a in (3, 4, 5) for b in (6, 7, 8)})
     topo = Topology.build([0] * 4 + [1] * 5, {}, links)
     assert preferred_gpus(topo, [0, 1, 2, 3, 4, 6, 8], [], 4) == [3, 4, 6, 8]
+
+
+def test_sixteen_candidates_are_still_searched_exactly_with_the_remainder() -> None:
+    # Two NUMA nodes of eight; NVLink only between 0 and 9 (12 links) and 1 and 14 (4). Every set of three with
+    # 0 and 9 has the same value and spans both nodes; the remainder keeps the pair 1-14 for the next request,
+    # so neither 1 nor 14 is taken: 0, 2, 9. The fallback, which does not weigh the remainder, would take 1.
+    topo = Topology.build(numa=[i // 8 for i in range(16)], pcie={}, nvlink={(0, 9): 12, (1, 14): 4})
+    assert preferred_gpus(topo, list(range(16)), [], 3) == [0, 2, 9]
+
+
+def test_the_search_bound_counts_every_partner_a_class_can_still_give() -> None:
+    # Nine GPUs on NUMA nodes 0,0,0,1,1,2,2,3,3 and one NVLink (0-2, 18 links). Four GPUs: 0, 1, 2 and one more
+    # on another node; every fourth GPU leaves as good a remainder (two same-node pairs), so the lowest, 3.
+    topo = Topology.build(numa=[0, 0, 0, 1, 1, 2, 2, 3, 3], pcie={}, nvlink={(0, 2): 18})
+    assert preferred_gpus(topo, list(range(9)), [], 4) == [0, 1, 2, 3]
