@@ -552,3 +552,11 @@ def test_custom_node_layout_plans_explicit_placements() -> None:
         "GPU 4: create 1g.10gb at slice 2",
         "GPU 4: create 1g.10gb at slice 3",
     ]
+
+
+def test_every_gpu_selected_twice_is_named() -> None:
+    layout = parse_layouts(SELECT, "f").layout("by-name-and-id")
+    with pytest.raises(PlanError) as caught:
+        plan_node(layout, [GpuMigState.of(0, H100), GpuMigState.of(1, A100_40), GpuMigState.of(2, H100)])
+    why = "selected by entries [0] and [1] of layout by-name-and-id; each GPU may be selected by one entry only"
+    assert str(caught.value) == f"GPU 0: {why}\nGPU 2: {why}"

@@ -445,3 +445,44 @@ def test_plan_keeps_as_many_existing_instances_as_any_placement_can(
     assert set(plan.destroy) == set(current) - set(plan.target)
     # Applying the plan and planning again changes nothing.
     assert plan_gpu(table, plan.target, desired, mig_enabled_now=True, want_enabled=True).noop
+
+
+def test_every_problem_of_a_request_is_named_in_one_line() -> None:
+    two = H100_TABLE.profile("2g.20gb")
+    one = H100_TABLE.profile("1g.10gb")
+    assert two is not None and one is not None
+    table = ProfileTable("H100 80GB HBM3", (one, dataclasses.replace(two, placements=())))
+    with pytest.raises(Unplaceable) as caught:
+        place(table, {"1g.10gb": -1, "1c.2g.20gb": 1, "5g.50gb": 1, "2g.20gb": 1, "1g.10gb+me": -2})
+    assert str(caught.value) == (
+        "count of 1g.10gb must be >= 0, got -1; compute-instance profile 1c.2g.20gb is not supported: the agent "
+        "creates one compute instance spanning each GPU instance (use 2g.20gb); profile 5g.50gb does not exist on "
+        "H100 80GB HBM3 (known: 1g.10gb, 2g.20gb); profile 2g.20gb has no placement on H100 80GB HBM3; "
+        "count of 1g.10gb+me must be >= 0, got -2")
+
+
+def test_one_profile_under_two_spellings_counts_both() -> None:
+    two = H100_TABLE.profile("2g.20gb")
+    assert two is not None
+    table = ProfileTable("RTX PRO 6000", (dataclasses.replace(two, name="2g.48gb+gfx,me"),))
+    assert place(table, {"2g.48gb+me,gfx": 1, "2g.48gb+gfx,me": 1}) == (
+        _i("2g.48gb+gfx,me", 0, 2), _i("2g.48gb+gfx,me", 2, 2))
+
+
+def test_a_plan_that_disables_mig_targets_no_instances() -> None:
+    plan = plan_gpu(H100_TABLE, APPLIED_BALANCED, None, mig_enabled_now=True, want_enabled=False, index=3)
+    assert (plan.mode, plan.destroy, plan.create, plan.target) == (ModeChange.DISABLE, APPLIED_BALANCED, (), ())
+    assert plan.actions()[-1] == "GPU 3: disable MIG"
+
+
+def test_a_plan_names_gpu_0_unless_told_otherwise() -> None:
+    plan = plan_gpu(H100_TABLE, [], {"7g.80gb": 1}, mig_enabled_now=False, want_enabled=True)
+    assert plan.actions() == ["GPU 0: enable MIG", "GPU 0: create 7g.80gb at slices 0-7"]
+
+
+def test_of_the_placements_keeping_as_many_instances_the_lowest_is_taken() -> None:
+    # 4g.40gb must use slices 0-3, so the 1g.10gb at slice 3 goes; the one at 5 is kept, and the other 1g.10gb
+    # takes the lowest free slice, 4 (6 would keep as many).
+    have = [_i("1g.10gb", 3, 1), _i("1g.10gb", 5, 1)]
+    assert place(H100_TABLE, {"4g.40gb": 1, "1g.10gb": 2}, prefer=have) == (
+        _i("4g.40gb", 0, 4), _i("1g.10gb", 4, 1), _i("1g.10gb", 5, 1))
