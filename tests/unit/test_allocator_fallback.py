@@ -110,6 +110,18 @@ SEARCHED = [
         ),
         size=5, must=[5], uniform_pcie=True, expected=[1, 5, 7, 16, 18],
     ),
+    Case(
+        # The greedy growth must count each NUMA node it reaches: with the span it tracks wrong, it ends at
+        # 4, 6, 10, 16, whose value is lower.
+        numa=[0] * 9 + [1] * 9,
+        nvlink=(
+            "0-2:4 0-3:2 0-4:18 1-8:18 1-10:12 1-11:18 1-14:12 1-15:18 1-17:4 2-10:4 3-11:2 3-14:18 3-16:1 "
+            "4-5:12 4-10:18 4-15:18 5-7:1 5-11:2 5-12:18 6-10:18 6-11:12 6-12:12 6-13:2 6-16:18 6-17:4 "
+            "7-10:4 7-11:1 7-14:1 7-16:4 8-13:1 8-17:18 9-10:18 9-15:1 10-11:2 10-12:4 10-16:12 11-13:4 "
+            "11-15:4 12-15:18 14-16:2 16-17:1"
+        ),
+        size=4, must=[], uniform_pcie=False, expected=[1, 4, 10, 15],
+    ),
 ]
 
 
