@@ -1,10 +1,12 @@
 """Reads the YAML of every input file the same way: keys unique per mapping, and any failure of the YAML
-library turned into one line, so no input can crash a parser."""
+library turned into one line, so no input can crash a parser; and writes the agent's own state files atomically."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import tempfile
 from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
@@ -133,3 +135,20 @@ def load_yaml(text: str) -> Any:
     if _too_large(data):
         raise YamlProblem(f"a number is larger than {MAX_INT_BITS} bits")
     return data
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader, or the agent after a crash, sees the old file or the new one,
+    never a part: written to a temporary file beside it, flushed to disk, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

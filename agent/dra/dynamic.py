@@ -21,7 +21,6 @@ import copy
 import functools
 import json
 import logging
-import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from agent.nvml.backend import MigCallError, MigOps, NvmlBackend
 from agent.nvml.catalog import MODELS, MigProfile, Placement
 from agent.state import NodeState, StateBus
 from agent.topology.prefer import topology_of
+from agent.yamlfile import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +262,7 @@ class DynamicMig:
         self.made = data["devices"]
 
     def _save(self) -> None:
-        self._file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._file.with_name(f".{self._file.name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"version": STATE_VERSION, "devices": self.made}, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._file)
+        write_atomically(self._file, json.dumps({"version": STATE_VERSION, "devices": self.made}, sort_keys=True))
 
     async def load_profiles(self, state: NodeState) -> None:
         """Ask NVML for the profiles and placements of each GPU in MIG mode."""

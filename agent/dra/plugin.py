@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from agent.dra.v1beta1 import api_pb2 as v1beta1
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
+from agent.yamlfile import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,6 @@ class ClaimError(Exception):
     """A claim cannot be prepared; the message says why in one line."""
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class ClaimStore:
     """The prepared claims by UID, in memory and in the checkpoint file, with their CDI spec files."""
 
@@ -117,7 +107,7 @@ class ClaimStore:
         self.claims = data["claims"]
 
     def _save(self) -> None:
-        _atomic_write(self._paths.checkpoint, json.dumps({"version": CHECKPOINT_VERSION, "claims": self.claims},
+        write_atomically(self._paths.checkpoint, json.dumps({"version": CHECKPOINT_VERSION, "claims": self.claims},
                                                          sort_keys=True))
 
     def spec_path(self, uid: str) -> Path:
@@ -130,7 +120,7 @@ class ClaimStore:
         return [Prepared(tuple(d["requests"]), d["pool"], d["device"], tuple(d["cdi"])) for d in entry["devices"]]
 
     def put(self, uid: str, namespace: str, name: str, devices: list[Prepared], spec: dict[str, Any]) -> None:
-        _atomic_write(self.spec_path(uid), json.dumps(spec, indent=2) + "\n")
+        write_atomically(self.spec_path(uid), json.dumps(spec, indent=2) + "\n")
         self.claims[uid] = {"namespace": namespace, "name": name, "devices": [
             {"requests": list(d.request_names), "pool": d.pool, "device": d.device, "cdi": list(d.cdi_ids)}
             for d in devices]}

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from typing import Literal
 from agent.mig.layout import MigLayout
 from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
 from agent.nvml.backend import MigCallError, MigGpuState, MigOps, MigResetRequired
+from agent.yamlfile import write_atomically
 
 JOURNAL = "mig-journal.json"
 
@@ -44,14 +43,8 @@ class Journal:
         self.path = directory / JOURNAL
 
     def begin(self, layout: str, origin: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"layout": layout, "layouts_file": origin, "started": time.time()}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".mig-journal-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(record))
 
     def pending(self) -> str | None:
         """The layout an interrupted apply was applying, if any."""
