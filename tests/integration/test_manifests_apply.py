@@ -109,6 +109,11 @@ def bound_token_kubeconfig(apiserver: ApiServer, admin: User, path: Path) -> Pat
         "create", "token", ACCOUNT, "-n", NAMESPACE, "--bound-object-kind=Pod", f"--bound-object-name={PROBE_POD}",
         f"--audience={SERVICE_ACCOUNT_ISSUER}", "--duration=1h",
     )).strip()  # fmt: skip
+    return token_kubeconfig(apiserver, token, path)
+
+
+def token_kubeconfig(apiserver: ApiServer, token: str, path: Path) -> Path:
+    """A kubeconfig at `path` for the rig's API server with `token`, readable by its owner only."""
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "rig",
         "clusters": [{"name": "rig",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from apiserver import REPO, SERVICE_ACCOUNT_ISSUER, ApiServer
-from test_manifests_apply import BASE, NAMESPACE, User, apply_base, ok
+from test_manifests_apply import BASE, NAMESPACE, User, apply_base, ok, token_kubeconfig
 
 from tests.plugin_harness import short_dir
 
@@ -57,18 +57,6 @@ def pod(apiserver: ApiServer, admin: User) -> Iterator[dict[str, object]]:
         admin("delete", "node", NODE)
 
 
-def kubeconfig(apiserver: ApiServer, token: str, path: Path) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "rig",
-        "clusters": [{"name": "rig",
-                      "cluster": {"server": apiserver.url, "certificate-authority": str(apiserver.ca_path)}}],
-        "users": [{"name": "agent", "user": {"token": token}}],
-        "contexts": [{"name": "rig", "context": {"cluster": "rig", "user": "agent"}}],
-    }))  # fmt: skip
-    path.chmod(0o600)
-    return path
-
-
 @pytest.fixture(scope="module")
 def agent_kubeconfig(apiserver: ApiServer, admin: User, pod: dict[str, object],
                      tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -77,7 +65,7 @@ def agent_kubeconfig(apiserver: ApiServer, admin: User, pod: dict[str, object],
         "create", "token", ACCOUNT, "-n", NAMESPACE, "--bound-object-kind=Pod", f"--bound-object-name={POD}",
         f"--audience={SERVICE_ACCOUNT_ISSUER}", "--duration=1h",
     )).strip()  # fmt: skip
-    return kubeconfig(apiserver, token, tmp_path_factory.mktemp("selfpod") / "kubeconfig")
+    return token_kubeconfig(apiserver, token, tmp_path_factory.mktemp("selfpod") / "kubeconfig")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +77,7 @@ def no_role_kubeconfig(apiserver: ApiServer, admin: User, pod: dict[str, object]
     token = ok(admin("create", "token", NO_ROLE, "-n", NAMESPACE, f"--audience={SERVICE_ACCOUNT_ISSUER}",
                      "--duration=1h")).strip()
     try:
-        yield kubeconfig(apiserver, token, tmp_path_factory.mktemp("selfpod-no-role") / "kubeconfig")
+        yield token_kubeconfig(apiserver, token, tmp_path_factory.mktemp("selfpod-no-role") / "kubeconfig")
     finally:
         admin("delete", "clusterrolebinding", NO_ROLE)
         admin("delete", "serviceaccount", NO_ROLE, "-n", NAMESPACE)
