@@ -27,7 +27,8 @@ from typing import Any
 import grpc
 
 from agent.config import AgentConfig
-from agent.deviceplugin.server import SERVER_THREADS, ServerThreads
+from agent.deviceplugin.coreserver import CoreServer
+from agent.deviceplugin.server import STREAM_THREADS, device_plugin_methods
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.nvml.fake import FakeNvml
@@ -499,7 +500,7 @@ def build_go_bench() -> Path:
     return GO_BENCH
 
 
-class EmptyServicer(api_pb2_grpc.DevicePluginServicer):
+class EmptyServicer:
     """The DevicePlugin service doing nothing a Python server could skip: fixed answers, like the Go floor."""
 
     def __init__(self, ids: Sequence[str]) -> None:
@@ -526,19 +527,18 @@ class EmptyServicer(api_pb2_grpc.DevicePluginServicer):
 
 
 def serve_empty(socket: Path, ids: Sequence[str]) -> None:
-    """The empty Python server until SIGTERM: the agent's server model (grpc's synchronous server on the same
-    fixed thread set, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
+    """The empty Python server until SIGTERM: the agent's server model (a CoreServer with the same methods and
+    stream threads, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
     difference."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    threads = ServerThreads(SERVER_THREADS, "empty")
-    server = grpc.server(threads)
-    api_pb2_grpc.add_DevicePluginServicer_to_server(EmptyServicer(ids), server)
-    if not server.add_insecure_port(f"unix://{socket}"):
+    server = CoreServer(device_plugin_methods(EmptyServicer(ids)), "empty", STREAM_THREADS)
+    if not server.add_port(f"unix://{socket}"):
         raise SystemExit(f"cannot listen on {socket}")
     server.start()
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop(0).wait()
-    threads.shutdown()
+    server.stop()
+    server.cancel()
+    server.stopped.wait()
 
 
 def _busy_seconds() -> float:
@@ -677,7 +677,7 @@ def _floor_figures(preset: str, devices: int, rounds: int, calls: int, series: l
         s.update(latency(s.pop("latency_ms")))
     return {"preset": preset, "devices": devices, "rounds": rounds, "calls": calls, "warmup": FLOOR_WARMUP,
             "chunk": FLOOR_CHUNK,
-            "servers": list(FLOOR_SERVERS), "agent_command": command, "server_threads": SERVER_THREADS,
+            "servers": list(FLOOR_SERVERS), "agent_command": command, "stream_threads": STREAM_THREADS,
             "pooled": pooled, "ratios": ratios, "series": series}
 
 

@@ -1,22 +1,18 @@
 """Serves each resource on its own unix socket, registers with the kubelet and follows kubelet restarts.
 
-Each resource's DevicePlugin service runs on grpc's synchronous server, on a fixed set of threads of its own:
-a call is handed from grpc's polling thread straight to a waiting thread, which answers it in far fewer thread
-wake-ups than grpc.aio takes (docs/benchmarks.md has the figures). Registration, the socket watch and the
-resource set stay on the event loop.
+Each resource's DevicePlugin service runs on a CoreServer (coreserver.py) of its own: unary calls (Allocate,
+GetPreferredAllocation, options) are answered on its polling thread, each ListAndWatch stream on one of a fixed
+set of threads. Registration, the socket watch and the resource set stay on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
-import queue
 import secrets
 import stat
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from agent.deviceplugin.coreserver import CoreServer, Method
 from agent.deviceplugin.dirwatch import DirWatch
 from agent.deviceplugin.servicer import MAX_STREAMS, DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
@@ -41,10 +38,10 @@ POLL_INTERVAL_S = 0.2
 IDLE_CHECK_S = 10.0
 """With inotify, a check this often all the same, in case an event was missed."""
 BACKOFF_MAX_S = 5.0
-CALL_THREADS = 4
-"""Threads for unary calls (Allocate, GetPreferredAllocation, options) in each resource's server."""
-SERVER_THREADS = MAX_STREAMS + CALL_THREADS
-"""Every ListAndWatch stream holds a thread while it waits; the rest answer calls."""
+STREAM_THREADS = MAX_STREAMS + 1
+"""Every open ListAndWatch stream holds a thread while it waits; one more answers a stream beyond the limit
+with its refusal."""
+SERVICE = "/v1beta1.DevicePlugin/"
 STOP_POLL_S = 0.002
 JOIN_SLACK_S = 1.0
 """How long past the grace a stopping server's threads may take to finish the calls they are in."""
@@ -86,47 +83,17 @@ async def register(kubelet_dir: Path, endpoint: str, resource: str, timeout: flo
         )
 
 
-class ServerThreads(concurrent.futures.Executor):
-    """A fixed set of threads, all started up front, for one synchronous gRPC server.
-
-    A server's thread count stays the same while it serves (no call starts a thread), and stopping it joins
-    them, so servers replaced after kubelet restarts leave no thread behind.
-    """
-
-    def __init__(self, count: int, name: str) -> None:
-        self._work: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], Any, Any] | None] = (
-            queue.SimpleQueue())
-        self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(count)]
-        for thread in self.threads:
-            thread.start()
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._work.put((future, fn, args, kwargs))
-        return future
-
-    def _run(self) -> None:
-        while (item := self._work.get()) is not None:
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as err:  # handed to the caller, as ThreadPoolExecutor does
-                future.set_exception(err)
-            else:
-                future.set_result(result)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Each thread ends after the work queued before this call."""
-        for _ in self.threads:
-            self._work.put(None)
-        if wait:
-            for thread in self.threads:
-                thread.join()
-
-    def alive(self) -> bool:
-        return any(thread.is_alive() for thread in self.threads)
+def device_plugin_methods(servicer: Any) -> dict[str, Method]:
+    """The DevicePlugin service's methods, answered by `servicer`'s handlers of the same names."""
+    return {
+        SERVICE + "GetDevicePluginOptions": Method(servicer.GetDevicePluginOptions, api_pb2.Empty.FromString),
+        SERVICE + "ListAndWatch": Method(servicer.ListAndWatch, api_pb2.Empty.FromString, streams=True),
+        SERVICE + "GetPreferredAllocation": Method(servicer.GetPreferredAllocation,
+                                                   api_pb2.PreferredAllocationRequest.FromString),
+        SERVICE + "Allocate": Method(servicer.Allocate, api_pb2.AllocateRequest.FromString),
+        SERVICE + "PreStartContainer": Method(servicer.PreStartContainer,
+                                              api_pb2.PreStartContainerRequest.FromString),
+    }
 
 
 async def _until(done: Callable[[], bool], timeout: float) -> bool:
@@ -141,8 +108,7 @@ async def _until(done: Callable[[], bool], timeout: float) -> bool:
 
 @dataclass
 class _Serving:
-    server: grpc.Server
-    threads: ServerThreads
+    server: CoreServer
     socket: Path
     identity: tuple[int, int] | None
 
@@ -176,19 +142,14 @@ class ResourcePlugin:
         self.servicer.open()
         self._generation += 1
         path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
-        threads = ServerThreads(SERVER_THREADS, f"plugin-{_slug(self.resource)}")
-        server = grpc.server(threads)
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        try:
-            if not server.add_insecure_port(f"unix://{path}"):
-                raise OSError(f"cannot listen on {path}")
-        except (OSError, RuntimeError) as err:
-            threads.shutdown(wait=False)
-            raise OSError(f"cannot listen on {path}") from err
+        server = CoreServer(device_plugin_methods(self.servicer), f"plugin-{_slug(self.resource)}", STREAM_THREADS)
+        if not server.add_port(f"unix://{path}"):
+            server.streams.shutdown()
+            raise OSError(f"cannot listen on {path}")
         server.start()
         with contextlib.suppress(OSError):
             os.chmod(path, 0o600)
-        self._serving = _Serving(server, threads, path, _inode(path))
+        self._serving = _Serving(server, path, _inode(path))
         log.info("serving %s on %s", self.resource, path)
         return path
 
@@ -209,12 +170,13 @@ class ResourcePlugin:
         if serving is None:
             return
         self.servicer.close()  # streams end now; the grace is for Allocate calls in flight
-        stopped = serving.server.stop(grace or 0)  # cancels what is left after the grace, in grpc's own thread
-        wait = (grace or 0) + JOIN_SLACK_S
-        await _until(stopped.is_set, wait)
-        serving.threads.shutdown(wait=False)
-        if not await _until(lambda: not serving.threads.alive(), wait):
-            log.warning("%s: a call was still running %.1fs after its server stopped", self.resource, wait)
+        server = serving.server
+        server.stop()
+        if not await _until(server.stopped.is_set, grace or 0):
+            server.cancel()  # what is left after the grace
+        if not await _until(lambda: server.stopped.is_set() and not server.streams.alive(), JOIN_SLACK_S):
+            log.warning("%s: a call was still running %.1fs after its server stopped", self.resource,
+                        (grace or 0) + JOIN_SLACK_S)
         # Remove the socket only if it is still ours: a restarted kubelet may have cleaned it already.
         if _inode(serving.socket) == serving.identity:
             with contextlib.suppress(OSError):

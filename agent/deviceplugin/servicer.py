@@ -1,6 +1,7 @@
 """The DevicePlugin service for one resource: lists, allocates and prefers devices from the newest NodeState.
 
-Its handlers run on the threads of grpc's synchronous server (see server.py); they only read the newest NodeState
+Its handlers run on the threads of the resource's CoreServer (server.py): Allocate, GetPreferredAllocation and the
+options on its polling thread, each ListAndWatch stream on a stream thread. They only read the newest NodeState
 (immutable), and ListAndWatch waits for newer ones with StateBus.wait_newer_blocking.
 """
 
@@ -13,8 +14,9 @@ from typing import Any
 
 import grpc
 
+from agent.deviceplugin.coreserver import CallContext
 from agent.deviceplugin.response import NodeFiles, RequestError, ResponseBuilder
-from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.deviceplugin.v1beta1 import api_pb2
 from agent.inventory import Device, Resource, ResourcePlan
 from agent.metrics import Metrics
 from agent.state import NodeState, StateBus
@@ -26,8 +28,8 @@ UNHEALTHY = "Unhealthy"
 MAX_ID_LENGTH = 63
 MAX_STREAMS = 4
 """ListAndWatch streams one resource serves at once. The kubelet holds one per registration; each open stream
-holds one of the server's threads while it waits, so the server's pool has this many threads more than it needs
-for calls, and a stream beyond the limit is refused rather than left to starve Allocate of threads."""
+holds one of the server's stream threads while it waits, so a stream beyond the limit is refused rather than left
+waiting for a thread."""
 
 PlanOf = Callable[[NodeState], ResourcePlan]
 """The resources of a NodeState (a cached inventory.plan)."""
@@ -91,7 +93,7 @@ class DeviceIndex:
         return list(found.values())
 
 
-class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
+class DevicePluginServicer:
     """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
 
     def __init__(
@@ -164,12 +166,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         return child
 
     def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
+        self, request: api_pb2.Empty, context: CallContext
     ) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(
-        self, request: api_pb2.Empty, context: grpc.ServicerContext
+        self, request: api_pb2.Empty, context: CallContext
     ) -> Iterator[api_pb2.ListAndWatchResponse]:
         with self._lock:
             full = self._streams >= MAX_STREAMS
@@ -183,7 +185,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             with self._lock:
                 self._streams -= 1
 
-    def _list_and_watch(self, context: grpc.ServicerContext) -> Iterator[api_pb2.ListAndWatchResponse]:
+    def _list_and_watch(self, context: CallContext) -> Iterator[api_pb2.ListAndWatchResponse]:
         generation = self._generation
         left = threading.Event()
 
@@ -213,7 +215,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 yield to_proto(devices)
 
     def GetPreferredAllocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+        self, request: api_pb2.PreferredAllocationRequest, context: CallContext
     ) -> api_pb2.PreferredAllocationResponse:
         resource, index = self._indexed(self._bus.current)
         devices = resource.devices
@@ -243,7 +245,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
     def Allocate(
-        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+        self, request: api_pb2.AllocateRequest, context: CallContext
     ) -> api_pb2.AllocateResponse:
         state = self._bus.current
         resource, index = self._indexed(state)
@@ -272,7 +274,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         return response
 
     def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+        self, request: api_pb2.PreStartContainerRequest, context: CallContext
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
 

@@ -3,7 +3,6 @@ what the kubelet gets back from each call, and what it is refused with."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import shutil
 from collections.abc import Iterator
@@ -13,7 +12,9 @@ import grpc
 import pytest
 
 from agent.config import parse_config
+from agent.deviceplugin.coreserver import CoreServer
 from agent.deviceplugin.response import NodeFiles
+from agent.deviceplugin.server import STREAM_THREADS, device_plugin_methods
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import PlanCache
@@ -45,11 +46,10 @@ def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = Non
     bus = StateBus(state)
     metrics = Metrics()
     servicer = DevicePluginServicer(resource, bus, PlanCache(), Preferences(lambda: bus.current), metrics, files)
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8))
-    api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    server = CoreServer(device_plugin_methods(servicer), "test-plugin", STREAM_THREADS)
     directory = short_dir()
     target = f"unix://{directory}/plugin.sock"
-    server.add_insecure_port(target)
+    assert server.add_port(target)
     servicer.open()
     server.start()
     channel = grpc.insecure_channel(target)
@@ -59,7 +59,9 @@ def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = Non
     finally:
         servicer.close()
         channel.close()
-        server.stop(None).wait()
+        server.stop()
+        server.cancel()
+        assert server.stopped.wait(5)
         shutil.rmtree(directory)
 
 
