@@ -230,6 +230,7 @@ class CoreServer:
         self._stopping = False
         self._shut = False
         """The server has said every call ended; the queue is shut once nothing of ours is left in flight."""
+        self._destroyed = False
         self._active = 0
         """Batches started and not yet completed, the outstanding request for a call, and running streams: the
         queue may only shut down at zero, since a batch started after that would abort the process."""
@@ -256,6 +257,8 @@ class CoreServer:
             self._active += change
             if self._shut and self._active == 0:
                 self._shut = False
+                self._destroyed = True
+                self._server.destroy()  # grpcio frees the core server only here, never when collected
                 self._queue.shutdown()
 
     def _start(self, call: Any, operations: tuple[Any, ...], tag: Callable[[Any], None]) -> bool:
@@ -324,4 +327,6 @@ class CoreServer:
 
     def cancel(self) -> None:
         """End every call still in flight (after stop())."""
-        self._server.cancel_all_calls()
+        with self._lock:  # never at the same time as destroy(): the core server would be freed under it
+            if not self._destroyed:
+                self._server.cancel_all_calls()
