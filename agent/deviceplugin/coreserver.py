@@ -207,7 +207,10 @@ class StreamThreads:
 
     def _run(self) -> None:
         while (work := self._work.get()) is not None:
-            work()
+            try:
+                work()
+            except Exception as err:  # the thread stays for the next stream
+                log.error("a stream ended with an error: %r", err)
 
     def shutdown(self) -> None:
         """Each thread ends after the work submitted before this call."""
