@@ -4,6 +4,7 @@ library turned into one line, so no input can crash a parser; and writes the age
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
@@ -152,3 +153,29 @@ def write_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the agent wrote cannot be read back; the message is one line naming the file."""
+
+
+def read_checkpoint(path: Path, what: str, key: str, version: int) -> dict[str, Any]:
+    """The `key` mapping of a versioned JSON checkpoint written by write_checkpoint: {} before the first write,
+    CheckpointError (`what` names the checkpoint, e.g. "the DRA checkpoint") when it cannot be used."""
+    try:
+        data = json.loads(read_text_file(path))
+    except InputFileError as err:
+        if err.reason == "no such file":
+            return {}
+        raise CheckpointError(f"cannot read {what} {path}: {err.reason}") from None
+    except ValueError as err:
+        raise CheckpointError(f"cannot read {what} {path}: not JSON ({err})") from None
+    if not isinstance(data, dict) or data.get("version") != version or not isinstance(data.get(key), dict):
+        raise CheckpointError(f"{what} {path} is not a version {version} checkpoint")
+    entries: dict[str, Any] = data[key]
+    return entries
+
+
+def write_checkpoint(path: Path, key: str, version: int, entries: dict[str, Any]) -> None:
+    """Replace the checkpoint at `path` (atomically) with `entries` under `key`, marked with `version`."""
+    write_atomically(path, json.dumps({"version": version, key: entries}, sort_keys=True))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -43,7 +42,7 @@ from agent.nvml.backend import MigCallError, MigOps, NvmlBackend
 from agent.nvml.catalog import MODELS, MigProfile, Placement
 from agent.state import NodeState, StateBus
 from agent.topology.prefer import topology_of
-from agent.yamlfile import write_atomically
+from agent.yamlfile import CheckpointError, read_checkpoint, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -250,19 +249,12 @@ class DynamicMig:
 
     def _load(self) -> None:
         try:
-            data = json.loads(self._file.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as err:
-            raise DynamicMigError(f"cannot read the dynamic MIG checkpoint {self._file}: {err}") from None
-        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(
-                data.get("devices"), dict):
-            raise DynamicMigError(f"the dynamic MIG checkpoint {self._file} is not a version {STATE_VERSION} "
-                                  "checkpoint")
-        self.made = data["devices"]
+            self.made = read_checkpoint(self._file, "the dynamic MIG checkpoint", "devices", STATE_VERSION)
+        except CheckpointError as err:
+            raise DynamicMigError(str(err)) from None
 
     def _save(self) -> None:
-        write_atomically(self._file, json.dumps({"version": STATE_VERSION, "devices": self.made}, sort_keys=True))
+        write_checkpoint(self._file, "devices", STATE_VERSION, self.made)
 
     async def load_profiles(self, state: NodeState) -> None:
         """Ask NVML for the profiles and placements of each GPU in MIG mode."""

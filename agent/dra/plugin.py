@@ -40,7 +40,7 @@ from agent.dra.v1beta1 import api_pb2 as v1beta1
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
-from agent.yamlfile import write_atomically
+from agent.yamlfile import CheckpointError, read_checkpoint, write_atomically, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +95,12 @@ class ClaimStore:
 
     def _load(self) -> None:
         try:
-            data = json.loads(self._paths.checkpoint.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as err:
-            raise ClaimError(f"cannot read the DRA checkpoint {self._paths.checkpoint}: {err}") from None
-        if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION or not isinstance(
-                data.get("claims"), dict):
-            raise ClaimError(f"the DRA checkpoint {self._paths.checkpoint} is not a version {CHECKPOINT_VERSION} "
-                             "checkpoint")
-        self.claims = data["claims"]
+            self.claims = read_checkpoint(self._paths.checkpoint, "the DRA checkpoint", "claims", CHECKPOINT_VERSION)
+        except CheckpointError as err:
+            raise ClaimError(str(err)) from None
 
     def _save(self) -> None:
-        write_atomically(self._paths.checkpoint, json.dumps({"version": CHECKPOINT_VERSION, "claims": self.claims},
-                                                         sort_keys=True))
+        write_checkpoint(self._paths.checkpoint, "claims", CHECKPOINT_VERSION, self.claims)
 
     def spec_path(self, uid: str) -> Path:
         return self._paths.cdi_dir / f"{self._driver.replace('/', '_')}-claim-{uid}.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -200,15 +201,29 @@ def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
     ]}
 
 
-def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("content", "problem"), [
+    ('{"version": 7, "claims": {}}', "{} is not a version 1 checkpoint"),
+    ('{"version": 1, "claims": []}', "{} is not a version 1 checkpoint"),
+    ('{"version": 1, "claims": {"u', "cannot read {}: not JSON (Unterminated string starting at: line 1 column 27 "
+                                     "(char 26))"),
+    (b'{"version": 1, "claims": {"\xff": {}}}', "cannot read {}: not UTF-8 text (byte 0xff at line 1)"),
+    (None, "cannot read {}: is a FIFO, not a regular file"),
+])
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: str | bytes | None,
+                                                     problem: str) -> None:
     from agent.dra.plugin import ClaimError, ClaimStore, Paths
 
     paths = Paths.under(tmp_path, DRIVER, tmp_path / "cdi")
     paths.checkpoint.parent.mkdir(parents=True)
-    paths.checkpoint.write_text('{"version": 7, "claims": {}}')
+    if content is None:
+        os.mkfifo(paths.checkpoint)  # read as it is, it would block the agent's start for ever
+    elif isinstance(content, bytes):
+        paths.checkpoint.write_bytes(content)
+    else:
+        paths.checkpoint.write_text(content)
     with pytest.raises(ClaimError) as err:
         ClaimStore(paths, DRIVER)
-    assert str(err.value) == f"the DRA checkpoint {paths.checkpoint} is not a version 1 checkpoint"
+    assert str(err.value) == problem.format(f"the DRA checkpoint {paths.checkpoint}")
 
 
 @pytest.mark.parametrize(("brand", "published"), [(13, "NvidiaRTX"), (2, "Tesla"), (0, "Unknown"), (99, None)])
