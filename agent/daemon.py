@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -19,9 +20,9 @@ from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
-from agent.dra.dynamic import DynamicMig, DynamicMigError, with_dynamic_mig
+from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
 from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
-from agent.dra.publisher import SlicePublisher, claim_reader, publisher_for
+from agent.dra.publisher import PublisherClass, SlicePublisher, claim_reader, publisher_for
 from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
@@ -293,15 +294,17 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     if not dra.enabled:
         return None
     metrics = footing.metrics
-    slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc,
-                           on_health_mode=metrics.health_mode)
-    if slices is None:
-        return None
     paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root)
     dynamic: DynamicMig | None = None
     try:
-        if dra.dynamic_mig:
-            slices, dynamic = with_dynamic_mig(slices, footing.backend, footing.nvml, paths.checkpoint)
+        make: PublisherClass = SlicePublisher
+        if dra.dynamic_mig:  # its checkpoint next to the DRA checkpoint
+            dynamic = DynamicMig(footing.backend, footing.nvml, state_file(paths.checkpoint))
+            make = functools.partial(DynamicSlicePublisher, dynamic=dynamic)
+        slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc,
+                               on_health_mode=metrics.health_mode, make=make)
+        if slices is None:
+            return None
         plugin = DraKubeletPlugin(
             paths, dra.driver_name, slices.node, bus, claim_reader(slices), files.control_nodes,
             options.config.flags.dev_root, slices.republish, files.mig_minors, dynamic)

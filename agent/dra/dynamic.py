@@ -428,15 +428,3 @@ class DynamicSlicePublisher(SlicePublisher):
         log.info("published %d ResourceSlice(s) of pool %s: %d device(s), pool generation %d", len(wanted),
                  self.node, sum(len(s.get("devices") or []) for _, s in wanted), generation)
         return True
-
-
-def with_dynamic_mig(slices: SlicePublisher, backend: NvmlBackend, nvml: NvmlCall[Any], checkpoint: Path
-                     ) -> tuple[DynamicSlicePublisher, DynamicMig]:
-    """For dra.dynamicMig: a publisher of the same API client, node, driver and callbacks as `slices`, and the
-    MIG device maker for the kubelet plugin (its checkpoint next to the DRA checkpoint `checkpoint`).
-    DynamicMigError when that checkpoint cannot be read."""
-    dynamic = DynamicMig(backend, nvml, state_file(checkpoint))
-    publisher = DynamicSlicePublisher(slices._api, slices._bus, slices.node, slices.driver, dynamic,
-                                      pcie_root=slices._pcie_root, on_error=slices._on_error,
-                                      on_health_mode=slices._on_health_mode)
-    return publisher, dynamic

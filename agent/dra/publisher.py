@@ -280,15 +280,21 @@ def _keep_taint_times(devices: list[dict[str, Any]], stored: list[dict[str, Any]
                 taint["timeAdded"] = when
 
 
+PublisherClass = Callable[..., SlicePublisher]
+"""SlicePublisher or a subclass, or a partial of one: called with (api, bus, node, driver, on_error=...,
+on_health_mode=...)."""
+
+
 def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None],
-                  on_health_mode: Callable[[str], None] = lambda mode: None) -> SlicePublisher | None:
-    """The publisher for the agent's own Node client, sharing its server and credentials; None (said in the
-    log) when the agent has no API server client to share."""
+                  on_health_mode: Callable[[str], None] = lambda mode: None,
+                  make: PublisherClass = SlicePublisher) -> SlicePublisher | None:
+    """The publisher (`make`) for the agent's own Node client, sharing its server and credentials; None (said in
+    the log) when the agent has no API server client to share."""
     if not isinstance(kube, NodeApi):
         log.warning("DRA mode: no API server client; no ResourceSlice is published")
         return None
-    return SlicePublisher(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error,
-                          on_health_mode=on_health_mode)
+    return make(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error,
+                on_health_mode=on_health_mode)
 
 
 def claim_reader(publisher: SlicePublisher) -> SliceApi:

@@ -341,18 +341,32 @@ async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_t
     assert "sharedCounters" not in api.stored[f"{MAIN}-gpu-0"]["spec"]
 
 
-async def test_with_dynamic_mig_builds_on_the_usual_publisher(tmp_path: Path, nvml_thread: Any) -> None:
-    from agent.dra.dynamic import with_dynamic_mig
-    from agent.dra.publisher import SlicePublisher
+async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path: Path, nvml_thread: Any) -> None:
+    import functools
+
+    from agent.dra.dynamic import state_file
+    from agent.dra.publisher import SliceApi, publisher_for
+    from agent.kube.node import Credentials, NodeApi
 
     state, _, backend = mig_node()
-    api = Slices(keeps=True)
+    dynamic = DynamicMig(backend, nvml_thread, state_file(tmp_path / "plugins" / "checkpoint.json"))
+    kube = NodeApi(Credentials("https://127.0.0.1:6443", False, token="t"), "n")
     errors: list[int] = []
-    usual = SlicePublisher(api, StateBus(state), "n", DRIVER, on_error=lambda: errors.append(1))
-    publisher, dynamic = with_dynamic_mig(usual, backend, nvml_thread, tmp_path / "plugins" / "checkpoint.json")
-    assert (publisher.node, publisher.driver, publisher.name) == ("n", DRIVER, MAIN)
-    assert publisher.dynamic is dynamic
-    assert await publisher.sync(state) and sorted(api.stored) == [MAIN, f"{MAIN}-gpu-0"]
+    modes: list[str] = []
+    publisher = publisher_for(kube, StateBus(state), DRIVER, lambda: errors.append(1), modes.append,
+                              make=functools.partial(DynamicSlicePublisher, dynamic=dynamic))
+    assert isinstance(publisher, DynamicSlicePublisher)
+    assert (publisher.node, publisher.driver, publisher.name, publisher.dynamic) == ("n", DRIVER, MAIN, dynamic)
+    assert isinstance(publisher._api, SliceApi) and publisher._api._credentials is kube._credentials
+    publisher._on_error()
+    publisher._on_health_mode("taints")
+    assert (errors, modes) == ([1], ["taints"])
+    await publisher.close()
+
+    # The dynamic MIG checkpoint lives next to the DRA checkpoint; a damaged one is refused in one line.
+    api = Slices(keeps=True)
+    assert await DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, dynamic).sync(state)
+    assert sorted(api.stored) == [MAIN, f"{MAIN}-gpu-0"]
     await dynamic.create("u", dynamic.devices(state)["gpu-0-mig-7g80gb-0"])
     assert json.loads((tmp_path / "plugins" / "dynamic-mig.json").read_text())["devices"]["u/gpu-0-mig-7g80gb-0"][
         "profile"] == "7g.80gb"
@@ -360,4 +374,4 @@ async def test_with_dynamic_mig_builds_on_the_usual_publisher(tmp_path: Path, nv
     (tmp_path / "bad" / "dynamic-mig.json").write_text("{}")
     with pytest.raises(DynamicMigError, match=r"^the dynamic MIG checkpoint .*/bad/dynamic-mig.json is not a "
                        r"version 1 checkpoint$"):
-        with_dynamic_mig(usual, backend, nvml_thread, tmp_path / "bad" / "checkpoint.json")
+        DynamicMig(backend, nvml_thread, state_file(tmp_path / "bad" / "checkpoint.json"))
