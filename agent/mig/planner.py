@@ -252,7 +252,6 @@ class GpuPlan:
     """What to do to one GPU, in order: destroy, change mode, create."""
 
     index: int
-    model: str
     mode: ModeChange
     destroy: tuple[MigInstance, ...]
     create: tuple[MigInstance, ...]
@@ -307,7 +306,7 @@ def plan_gpu(
         if requested:
             raise ValueError(f"GPU {index}: instances requested with MIG disabled")
         mode = ModeChange.DISABLE if mig_enabled_now else ModeChange.NONE
-        return GpuPlan(index, table.model, mode, destroy=have, create=(), keep=())
+        return GpuPlan(index, mode, destroy=have, create=(), keep=())
     if not table.profiles:
         raise PlanError([(index, f"{table.model} does not support MIG")])
     try:
@@ -317,7 +316,6 @@ def plan_gpu(
     wanted = set(target)
     return GpuPlan(
         index,
-        table.model,
         ModeChange.NONE if mig_enabled_now else ModeChange.ENABLE,
         destroy=tuple(i for i in have if i not in wanted),
         create=tuple(i for i in target if i not in have),
