@@ -249,6 +249,11 @@ class CoreServer:
         except RuntimeError:  # grpc reports a failed bind this way in some versions
             return False
 
+    def discard(self) -> None:
+        """Free a server that was never started (its port could not be bound)."""
+        self.streams.shutdown()
+        self._server.destroy()
+
     def start(self) -> None:
         self._server.start()
         self._settle(+1)

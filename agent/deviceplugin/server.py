@@ -144,7 +144,7 @@ class ResourcePlugin:
         path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
         server = CoreServer(device_plugin_methods(self.servicer), f"plugin-{_slug(self.resource)}", STREAM_THREADS)
         if not server.add_port(f"unix://{path}"):
-            server.streams.shutdown()
+            server.discard()
             raise OSError(f"cannot listen on {path}")
         server.start()
         with contextlib.suppress(OSError):

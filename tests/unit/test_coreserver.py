@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -178,3 +179,13 @@ def test_stopping_ends_open_streams_and_every_thread() -> None:
         assert sorted(service.ended) == ["x", "y"]
     left = [t.name for t in threading.enumerate() if t.ident not in service_threads and t.name.startswith("test-")]
     assert left == []
+
+
+def test_a_port_that_cannot_be_bound_is_refused_and_the_server_discarded(tmp_path: Path) -> None:
+    server = CoreServer({}, "test-unbound", STREAM_THREADS)
+    (tmp_path / "file").write_text("")
+    assert server.add_port(f"unix://{tmp_path}/file/plugin.sock") is False  # a file where a directory should be
+    server.discard()
+    for thread in server.streams.threads:
+        thread.join(5)
+    assert not server.streams.alive()
