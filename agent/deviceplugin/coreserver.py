@@ -2,8 +2,8 @@
 
 grpcio's own synchronous server hands every call between its polling thread and a worker thread several times
 (12-16 thread wake-ups per unary call). This one answers a unary call on its polling thread, in three completion
-events (the call, its request message, its answer sent) and no hand-off, which cut the agent's CPU per Allocate
-from 0.67 ms to under 0.2 ms (docs/benchmarks.md).
+events (the call, its request message, its answer sent) and no hand-off. The agent's CPU per Allocate went from
+0.674 ms (a full make bench at 29a08b6, grpcio's synchronous server) to 0.186 ms (at e2ab5b0, this server).
 Server-streaming calls (ListAndWatch) run on a fixed set of threads, one per open stream, each message sent
 before the next is made.
 
