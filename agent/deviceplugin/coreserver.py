@@ -109,7 +109,8 @@ class _Call:
         self.name = name
         self.method = method
         self.context = CallContext()
-        self.sent = threading.Event()
+        self.sent = threading.Event() if method is not None and method.streams else None
+        """Set when a stream's send is done; a unary call sends once and waits for nothing, so it has none."""
         self.sent_ok = False
 
     def start(self) -> None:
@@ -156,11 +157,16 @@ class _Call:
         self.context._ended()
 
     def _on_sent(self, event: Any) -> None:
+        assert self.sent is not None
         self.sent_ok = bool(event.success)
         self.sent.set()
 
+    def _status_sent(self, event: Any) -> None:
+        """A stream's status is the last thing it sends: nothing waits for it."""
+
     def _send(self, operations: tuple[Any, ...]) -> bool:
         """Start one send and wait until it is done (on a stream thread); False when the call is over."""
+        assert self.sent is not None
         self.sent.clear()
         if not self._batch(operations, self._on_sent):
             return False
@@ -168,7 +174,7 @@ class _Call:
         return self.sent_ok
 
     def _send_status(self, code: int, details: str, initial: bool) -> None:
-        self._batch(((_initial(),) if initial else ()) + (_status(code, details),), self._on_sent)
+        self._batch(((_initial(),) if initial else ()) + (_status(code, details),), self._status_sent)
 
     def _stream(self, request: Any) -> None:
         """A server-streaming call, on a stream thread."""
