@@ -246,9 +246,12 @@ class HttpEndpoint:
         """(status, content type, body, whether to leave the body out) for one request; a request that is too
         long or malformed gets a 4xx and at most one short debug line, never a traceback."""
         try:
-            line = await asyncio.wait_for(reader.readuntil(b"\n"), 5)
+            async with asyncio.timeout(5):
+                line = await reader.readuntil(b"\n")
             for _ in range(MAX_HEADERS):  # the headers, bounded like the request line; none is needed
-                if (await asyncio.wait_for(reader.readuntil(b"\n"), 5)).strip() == b"":
+                async with asyncio.timeout(5):
+                    header = await reader.readuntil(b"\n")
+                if header.strip() == b"":
                     break
             else:
                 return 431, "text/plain", b"too many header lines\n", False

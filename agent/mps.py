@@ -76,8 +76,8 @@ async def _control(spec: DaemonSpec, *args: str, command: str | None = None) -> 
     except OSError as err:
         raise ControlError(f"cannot run {spec.program}: {err.strerror}") from None
     try:
-        out, _ = await asyncio.wait_for(proc.communicate((command + "\n").encode() if command else b""),
-                                        COMMAND_TIMEOUT_S)
+        async with asyncio.timeout(COMMAND_TIMEOUT_S):
+            out, _ = await proc.communicate((command + "\n").encode() if command else b"")
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -121,7 +121,8 @@ class MpsDaemons:
                 if dict(state.mps) != status:
                     await self._bus.update(mps=status)
                 try:
-                    await asyncio.wait_for(self._bus.wait_newer(self._bus.current.version), self._interval)
+                    async with asyncio.timeout(self._interval):
+                        await self._bus.wait_newer(self._bus.current.version)
                     check = False  # a new state: start or stop what it changes; probe the daemons on the interval
                 except TimeoutError:
                     check = True

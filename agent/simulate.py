@@ -87,11 +87,8 @@ class StandInKubelet(api_pb2_grpc.RegistrationServicer):
                     self.changed.notify_all()
 
     async def wait_for(self, resources: set[str], timeout: float) -> None:
-        async with self.changed:
-            await asyncio.wait_for(
-                self.changed.wait_for(lambda: all(r in self.plugins and self.plugins[r].updates for r in resources)),
-                timeout,
-            )
+        async with self.changed, asyncio.timeout(timeout):
+            await self.changed.wait_for(lambda: all(r in self.plugins and self.plugins[r].updates for r in resources))
 
     def capacity(self) -> tuple[dict[str, str], dict[str, str]]:
         capacity = {r: str(len(v.devices)) for r, v in sorted(self.plugins.items())}

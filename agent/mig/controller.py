@@ -201,7 +201,8 @@ class MigController:
                 delay = RETRY_DELAYS_S[retries]
                 await self._say(status, f"next try in {delay:g}s (retry {retries + 1} of {len(RETRY_DELAYS_S)})")
                 try:
-                    await asyncio.wait_for(self._request_changes(handled), delay)
+                    async with asyncio.timeout(delay):
+                        await self._request_changes(handled)
                     continue  # the label changed (or went): that request wins
                 except TimeoutError:
                     pass
@@ -220,7 +221,8 @@ class MigController:
         changed first."""
         while True:
             try:
-                await asyncio.wait_for(self._request_changes(handled), REBOOT_CHECK_S)
+                async with asyncio.timeout(REBOOT_CHECK_S):
+                    await self._request_changes(handled)
                 return True
             except TimeoutError:
                 pass

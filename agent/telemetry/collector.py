@@ -142,7 +142,8 @@ class TelemetryCollector:
                 interval = state.config.telemetry.interval_seconds
                 # A config change (the family switched on or off, another interval) starts a pass at once.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._config_change(state.config), interval)
+                    async with asyncio.timeout(interval):
+                        await self._config_change(state.config)
         finally:
             await self._nvml(self.reader.close)
 

@@ -1,0 +1,74 @@
+"""The agent's long-running loops stop when they are cancelled (Agent.stop cancels them and waits for each),
+also when the cancellation arrives just as the state they wait for changes. On Python 3.11 a loop that waits
+with asyncio.wait_for loses such a cancellation and runs on, and the agent's stop then never returns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+import yaml
+
+from agent.config import AgentConfig, parse_config
+from agent.daemon import NvmlThread
+from agent.mps import MpsDaemons
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.nodefile import load_node
+from agent.state import NodeState, StateBus
+from agent.telemetry.collector import TelemetryCollector
+
+OFFSETS = range(8)
+"""Loop turns between the new state and the cancellation: wider than the window asyncio.wait_for has."""
+
+
+def telemetry_config(interval: float) -> AgentConfig:
+    return parse_config(yaml.safe_dump({"version": "v1", "telemetry": {"dcgmMetrics": False,
+                                                                       "intervalSeconds": interval}}))
+
+
+def new_bus(backend: NvmlBackend) -> StateBus:
+    return StateBus(NodeState(version=1, inventory=backend.inventory(), config=telemetry_config(60)))
+
+
+async def cancelled_as_the_state_changes(run: Callable[[], Awaitable[None]], change: Callable[[], Awaitable[object]],
+                                         offset: int) -> None:
+    task = asyncio.ensure_future(run())
+    for _ in range(5):
+        await asyncio.sleep(0)  # let the loop reach its wait
+    assert not task.done()
+    await change()
+    for _ in range(offset):
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert done == {task}, f"the loop ran on after a cancellation {offset} loop turns after a new state"
+    assert task.cancelled()
+
+
+@pytest.fixture
+def backend() -> NvmlBackend:
+    fake = FakeNvml(load_node("pcie-l40s-4"))
+    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend.init()
+    return backend
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+async def test_the_mps_loop_stops_when_cancelled_as_a_state_arrives(backend: NvmlBackend, offset: int) -> None:
+    bus = new_bus(backend)
+    daemons = MpsDaemons(bus, interval=60)
+    await cancelled_as_the_state_changes(daemons.run, lambda: bus.update(mps={}), offset)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+async def test_the_telemetry_loop_stops_when_cancelled_as_its_config_changes(backend: NvmlBackend,
+                                                                              offset: int) -> None:
+    bus = new_bus(backend)
+    nvml = NvmlThread()
+    collector = TelemetryCollector(backend, bus, nvml, dict)
+    try:
+        await cancelled_as_the_state_changes(collector.run, lambda: bus.update(config=telemetry_config(30)), offset)
+    finally:
+        nvml.close()
