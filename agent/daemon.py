@@ -50,6 +50,8 @@ CONFIG_POLL_S = 2.0
 NVML_INIT_ATTEMPTS = 5
 NVML_INIT_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
+STOP_TASK_S = 5.0
+"""How long Agent.stop waits for a cancelled task before it cancels it again."""
 
 
 @dataclass(frozen=True)
@@ -543,6 +545,11 @@ class Agent:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            while not (await asyncio.wait({task}, timeout=STOP_TASK_S))[0]:
+                # A loop that swallowed its cancellation would hold the shutdown for ever: say so, ask again.
+                log.warning("task %s did not stop within %gs of being cancelled; cancelling it again",
+                            task.get_name(), STOP_TASK_S)
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         with contextlib.suppress(Exception):

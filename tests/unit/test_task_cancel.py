@@ -5,19 +5,21 @@ with asyncio.wait_for loses such a cancellation and runs on, and the agent's sto
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import pytest
 import yaml
 
 from agent.config import AgentConfig, parse_config
-from agent.daemon import NvmlThread
+from agent.daemon import STOP_TASK_S, NvmlThread
 from agent.mps import MpsDaemons
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
+from tests.plugin_harness import running_agent
 
 OFFSETS = range(8)
 """Loop turns between the new state and the cancellation: wider than the window asyncio.wait_for has."""
@@ -72,3 +74,24 @@ async def test_the_telemetry_loop_stops_when_cancelled_as_its_config_changes(bac
         await cancelled_as_the_state_changes(collector.run, lambda: bus.update(config=telemetry_config(30)), offset)
     finally:
         nvml.close()
+
+
+async def test_agent_stop_cancels_again_a_task_that_swallowed_its_cancellation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()
+        await asyncio.sleep(3600)
+
+    caplog.set_level(logging.WARNING, logger="agent.daemon")
+    async with running_agent("pcie-l40s-4") as rig:
+        task = asyncio.create_task(stubborn(), name="stubborn")
+        rig.agent._tasks.append(task)
+        await asyncio.sleep(0)
+    assert swallowed.is_set() and task.cancelled() and rig.agent.stopped.is_set()
+    assert [r.getMessage() for r in caplog.records if r.name == "agent.daemon"] == [
+        f"task stubborn did not stop within {STOP_TASK_S:g}s of being cancelled; cancelling it again"]
