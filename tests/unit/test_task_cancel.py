@@ -14,7 +14,7 @@ import yaml
 from agent.config import AgentConfig, parse_config
 from agent.daemon import STOP_TASK_S, NvmlThread
 from agent.mps import MpsDaemons
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState, StateBus
@@ -51,8 +51,7 @@ async def cancelled_as_the_state_changes(run: Callable[[], Awaitable[None]], cha
 
 @pytest.fixture
 def backend() -> NvmlBackend:
-    fake = FakeNvml(load_node("pcie-l40s-4"))
-    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
+    backend = fake_backend(FakeNvml(load_node("pcie-l40s-4")))
     backend.init()
     return backend
 
