@@ -59,9 +59,10 @@ class ResourcePlan:
 
 def sanitise(value: str) -> str:
     """A label value as GPU feature discovery makes one: characters outside [A-Za-z0-9-_. ] dropped, runs of
-    spaces joined with '-', cut to 63 characters (a label value's limit)."""
+    spaces joined with '-', cut to 63 characters (a label value's limit); '-', '_' and '.' trimmed from both
+    ends, since a label value must begin and end with a letter or digit."""
     kept = re.sub(r"[^A-Za-z0-9\-_. ]", "", value)
-    return "-".join(kept.split())[:63].rstrip("-_.")
+    return "-".join(kept.split()).lstrip("-_.")[:63].rstrip("-_.")
 
 
 def mig_resource(profile: str) -> str:

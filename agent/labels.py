@@ -213,6 +213,11 @@ OWNED_NVIDIA_KEYS = frozenset(
 )
 
 
+OWNED_OWN_KEYS = frozenset(OWN_PREFIX + k for k in ("numa.nodes", "numa.max-gpus", "nvlink.largest-group",
+                                                    "nvlink.full-mesh"))
+"""The agent's topology labels; any other key under gpu-node-agent.io/ belongs to whoever set it."""
+
+
 def owned(key: str) -> bool:
     """Whether the agent owns a node label: it writes and removes these and never touches any other."""
-    return key.startswith((OWN_PREFIX, "nvidia.com/mig-")) or key in OWNED_NVIDIA_KEYS
+    return key.startswith("nvidia.com/mig-") or key in OWNED_NVIDIA_KEYS or key in OWNED_OWN_KEYS

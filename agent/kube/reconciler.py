@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,8 @@ EVENT_REASONS = {
     "mig-failed": "MigConfigFailed",
     "mig-rebooting": "MigConfigRebooting",
 }
+LABEL_DROPPED_REASON = "LabelDropped"
+OWN_TAINT_PREFIX = "gpu-node-agent.io/"
 EVENT_MESSAGE_MAX = 1024
 """Event messages are kept to what `kubectl describe` shows in full (events.k8s.io caps a note at 1 kB)."""
 NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mig-success"})
@@ -64,6 +67,42 @@ class NodeIntent:
     taint: dict[str, str] | None
     condition: Condition
     annotations: dict[str, str]
+    dropped: tuple[str, ...] = ()
+    """One line per label the API server would refuse, left out of `labels` so that it blocks nothing else."""
+    taint_key: str = ""
+    """The key of the agent's taint under the config (health.taint.key), whether it is wanted now or not."""
+
+    def owns_taint(self, key: str) -> bool:
+        """The agent's taints: the configured key, and any in the agent's own namespace (a key used before a
+        config change)."""
+        return key == self.taint_key or key.startswith(OWN_TAINT_PREFIX)
+
+
+_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_LABEL_NAME_RE = re.compile(_NAME)
+_DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE_MAX = 63
+QUOTE_MAX = 80
+
+
+def _quoted(text: str) -> str:
+    """A value for a message, cut before it is quoted: a label value can be any length."""
+    return repr(text) if len(text) <= QUOTE_MAX else f"{text[:QUOTE_MAX]!r}... ({len(text)} characters)"
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why the API server would refuse the label `key=value` (Kubernetes' label syntax), or None when it is
+    valid: a key is an optional DNS-subdomain prefix of at most 253 characters and a name of at most 63; a
+    value is empty or at most 63 characters of [A-Za-z0-9-_.] beginning and ending with a letter or digit."""
+    prefix, _, name = key.rpartition("/")
+    if "/" in key and not (len(prefix) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(prefix)):
+        return f"the key {_quoted(key)} has an invalid prefix"
+    if not (len(name) <= LABEL_VALUE_MAX and _LABEL_NAME_RE.fullmatch(name)):
+        return f"the key {_quoted(key)} is not a valid label name"
+    if value and not (len(value) <= LABEL_VALUE_MAX and _LABEL_NAME_RE.fullmatch(value)):
+        return (f"the value {_quoted(value)} is not a valid label value (at most {LABEL_VALUE_MAX} characters of "
+                "A-Z, a-z, 0-9, '-', '_' and '.', beginning and ending with a letter or digit)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -91,7 +130,12 @@ def node_intent(state: NodeState, labels: dict[str, str], taint: TaintPolicy) ->
         if state.mig_status.reason:
             # An annotation value has no length limit worth worrying about here; keep it readable.
             annotations[MIG_REASON_ANNOTATION] = state.mig_status.reason[:4096]
-    return NodeIntent(labels, own_taint, condition, annotations)
+    # A label the API server refuses would fail the whole patch: it is left out, and said so.
+    dropped = tuple(f"label {key}: {problem}; not written" for key, value in sorted(labels.items())
+                    if (problem := label_problem(key, value)) is not None)
+    if dropped:
+        labels = {k: v for k, v in labels.items() if label_problem(k, v) is None}
+    return NodeIntent(labels, own_taint, condition, annotations, dropped, taint.key)
 
 
 def label_diff(
@@ -136,6 +180,8 @@ class NodeReconciler:
         self._emitted = 0
         self._shown = 0
         self._shown_changed = asyncio.Condition()
+        self._dropped: tuple[str, ...] = ()
+        """The labels last reported as left out."""
 
     @property
     def converged_version(self) -> int:
@@ -161,30 +207,57 @@ class NodeReconciler:
                 return
             state = self._bus.current
             want = self._intent(state)
-            patch = label_diff(self._node.labels, want.labels, self._owned)
-            notes = label_diff(self._node.annotations, want.annotations, owned_annotation)
-            if patch or notes:
-                log.info("patching node labels %s and annotations %s", patch, notes)
-                self._node = await self._api.patch_metadata(patch, notes)
-            await self._converge_taint(want)
-            have = self._node.conditions.get(CONDITION_TYPE)
-            if have is None or (have.status, have.reason, have.message) != (
-                want.condition.status, want.condition.reason, want.condition.message
-            ):
-                self._node = await self._api.set_condition(want.condition)
+            await self._report_dropped(want.dropped)
+            # Health first, and each write on its own: a refused label patch must not keep the taint or the
+            # condition from the Node. The first failure is raised once the others were tried.
+            failure: Exception | None = None
+            for write in (self._converge_taint, self._converge_condition, self._converge_metadata):
+                try:
+                    await write(want)
+                except Exception as err:  # retried by the caller, with backoff
+                    failure = failure or err
+            if failure is not None:
+                raise failure
             await self._emit_events(state)
             if state.version > self._shown:
                 async with self._shown_changed:
                     self._shown = state.version
                     self._shown_changed.notify_all()
 
+    async def _report_dropped(self, dropped: tuple[str, ...]) -> None:
+        """Say once, in the log and as a Warning Event, which labels are left out and why."""
+        if dropped == self._dropped:
+            return
+        assert self._node is not None
+        for line in dropped:
+            if line not in self._dropped:
+                log.warning("%s", line)
+                await self._api.event(LABEL_DROPPED_REASON, line[:EVENT_MESSAGE_MAX], "Warning", self._node.uid)
+        self._dropped = dropped
+
+    async def _converge_metadata(self, want: NodeIntent) -> None:
+        assert self._node is not None
+        patch = label_diff(self._node.labels, want.labels, self._owned)
+        notes = label_diff(self._node.annotations, want.annotations, owned_annotation)
+        if patch or notes:
+            log.info("patching node labels %s and annotations %s", patch, notes)
+            self._node = await self._api.patch_metadata(patch, notes)
+
+    async def _converge_condition(self, want: NodeIntent) -> None:
+        assert self._node is not None
+        have = self._node.conditions.get(CONDITION_TYPE)
+        if have is None or (have.status, have.reason, have.message) != (
+            want.condition.status, want.condition.reason, want.condition.message
+        ):
+            self._node = await self._api.set_condition(want.condition)
+
     async def _converge_taint(self, want: NodeIntent) -> None:
         assert self._node is not None
         while True:
-            mine = [dict(t) for t in self._node.taints if self._owned(t.get("key", ""))]
+            mine = [dict(t) for t in self._node.taints if want.owns_taint(t.get("key", ""))]
             if mine == ([want.taint] if want.taint else []):
                 return
-            taints = taints_with(self._node.taints, self._owned, want.taint)
+            taints = taints_with(self._node.taints, want.owns_taint, want.taint)
             try:
                 log.info("setting node taints: %s", taints)
                 self._node = await self._api.set_taints(taints, self._node.resource_version)

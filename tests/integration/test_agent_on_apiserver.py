@@ -215,6 +215,30 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
         )
 
 
+async def test_a_machine_type_no_label_takes_still_lets_a_fault_taint_the_node(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api, tmp_path: Path
+) -> None:
+    """A DMI product name (or machineTypeFile) beginning with '_' was once written as an invalid label value,
+    which the API server refused with the whole label patch, forever; the fault's taint never came."""
+    machine = tmp_path / "product_name"
+    machine.write_text("_Custom Build\n")
+    admin_core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/team": "infra"}}})
+    config = parse_config("version: v1\nflags:\n  gfd:\n    machineTypeFile: " + str(machine)
+                          + "\nhealth:\n  sampleIntervalSeconds: 0.1\n  recoveryChecks: 2\n")
+    async with agent_on_node(agent_kubeconfig, config) as (_, fake):
+        await wait_until(lambda: admin_core.read_node(NODE).metadata.labels.get("nvidia.com/gpu.machine"), 10,
+                         "the machine label", blocking=True)
+        fake.inject_xid(3, 79)
+        node = await wait_until(
+            lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and healthy(n) == "False" and n,
+            10, "taint and condition", blocking=True)
+        assert agent_taints(node) == [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
+        assert node.metadata.labels["nvidia.com/gpu.machine"] == "Custom-Build"
+        assert node.metadata.labels["nvidia.com/gpu.count"] == "8"
+        # Under the agent's prefix, but not a label the agent writes: left alone.
+        assert node.metadata.labels["gpu-node-agent.io/team"] == "infra"
+
+
 async def test_ready_only_once_the_node_shows_the_gpus_in_allocatable(
     agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
 ) -> None:

@@ -116,7 +116,9 @@ def test_machine_mode_timestamp_and_a_driver_without_revision() -> None:
 
 
 def test_owned_keys() -> None:
-    assert owned("nvidia.com/gpu.product") and owned("gpu-node-agent.io/anything")
+    assert owned("nvidia.com/gpu.product") and owned("gpu-node-agent.io/nvlink.full-mesh")
+    # docs/labels.md: the agent owns exactly the keys it lists, not everything under its prefix.
+    assert not owned("gpu-node-agent.io/team")
     assert not owned("nvidia.com/gpu.present")
     assert not owned("nvidia.com/gpu.deploy.device-plugin")
     assert not owned("nvidia.com/mig.config")
@@ -128,16 +130,18 @@ def test_label_diff_touches_only_owned_keys() -> None:
         "kubernetes.io/hostname": "n1",
         "nvidia.com/gpu.count": "8",
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-        "gpu-node-agent.io/stale": "x",
+        "gpu-node-agent.io/numa.max-gpus": "4",
+        "gpu-node-agent.io/team": "infra",
         "nvidia.com/mig.config": "all-1g.10gb",
     }
-    desired = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.product": "NVIDIA-H200", "gpu-node-agent.io/new": "1"}
+    desired = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu.product": "NVIDIA-H200",
+               "gpu-node-agent.io/numa.nodes": "1"}
     assert label_diff(current, desired, owned) == {
         "nvidia.com/gpu.product": "NVIDIA-H200",
-        "gpu-node-agent.io/new": "1",
-        "gpu-node-agent.io/stale": None,
+        "gpu-node-agent.io/numa.nodes": "1",
+        "gpu-node-agent.io/numa.max-gpus": None,
     }
-    assert label_diff({**current, **desired, "gpu-node-agent.io/stale": "x"}, desired, owned) == {
-        "gpu-node-agent.io/stale": None
+    assert label_diff({**current, **desired, "gpu-node-agent.io/numa.max-gpus": "x"}, desired, owned) == {
+        "gpu-node-agent.io/numa.max-gpus": None
     }
     assert label_diff(desired, desired, owned) == {}

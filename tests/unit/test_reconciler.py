@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
 from agent.config import DEFAULT_CONFIG
 from agent.kube.reconciler import NodeReconciler, TaintPolicy, node_intent, taints_with
-from agent.kube.view import Condition
+from agent.kube.view import Condition, NodeView
 from agent.labels import node_labels, owned
 from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory
 from agent.simulate import InMemoryNode
@@ -64,14 +65,18 @@ async def settle(reconciler: NodeReconciler, bus: StateBus, node: InMemoryNode) 
 async def test_labels_taint_condition_converge_and_stay_quiet() -> None:
     node = InMemoryNode("n1")
     node.view = node.view.__class__(
-        name="n1", resource_version="1", labels={"team": "ml", "gpu-node-agent.io/stale": "x"},
+        name="n1", resource_version="1",
+        labels={"team": "ml", "gpu-node-agent.io/team": "infra", "nvidia.com/mig.strategy": "mixed"},
         taints=(FOREIGN_TAINT,),
     )
     async with reconciling(node) as (reconciler, bus):
         await settle(reconciler, bus, node)
         labels = dict(node.view.labels)
         assert labels["team"] == "ml"
-        assert "gpu-node-agent.io/stale" not in labels
+        # A stale label of the agent's goes (migStrategy none writes none); one it does not write stays, even
+        # under its prefix.
+        assert "nvidia.com/mig.strategy" not in labels
+        assert labels["gpu-node-agent.io/team"] == "infra"
         assert labels["nvidia.com/gpu.count"] == "2"
         assert node.view.taints == (FOREIGN_TAINT,)
         healthy = Condition("GPUHealthy", "True", "GPUsHealthy", "all 2 GPUs healthy")
@@ -130,8 +135,16 @@ def test_taints_with_keeps_foreign_taints_in_order() -> None:
         {"key": "b", "effect": "NoSchedule"},
     )
     mine = {"key": TAINT.key, "value": "true", "effect": "NoSchedule"}
-    assert taints_with(current, owned, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
-    assert taints_with(current, owned, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]
+    owns = node_intent(machine_state("DGX"), {}, TAINT).owns_taint
+    assert taints_with(current, owns, mine) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}, mine]
+    assert taints_with(current, owns, None) == [FOREIGN_TAINT, {"key": "b", "effect": "NoSchedule"}]
+
+
+def test_a_configured_taint_key_outside_the_agents_prefix_is_its_own() -> None:
+    intent = node_intent(machine_state("DGX"), {}, TaintPolicy("example.com/gpu-broken", "NoExecute"))
+    assert intent.owns_taint("example.com/gpu-broken")
+    assert intent.owns_taint("gpu-node-agent.io/gpu-fault")  # the default key, set before a config change
+    assert not intent.owns_taint("example.com/other")
 
 
 async def test_incidents_past_the_history_bound_are_counted_in_one_event() -> None:
@@ -165,3 +178,105 @@ async def test_incidents_older_than_an_hour_are_dropped(monkeypatch: pytest.Monk
     clock[0] += 3601
     await bus.record([("GPU-0", "warning", "new")])
     assert [(i.seq, i.message) for i in bus.current.incidents] == [(2, "new")]
+
+
+class ValidatingNode(InMemoryNode):
+    """An in-memory Node that refuses an invalid label value in a patch, as the API server does (422)."""
+
+    async def patch_metadata(self, labels: Mapping[str, str | None],
+                             annotations: Mapping[str, str | None]) -> NodeView:
+        for value in labels.values():
+            if value is not None and not re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value):
+                raise Invalid(f"metadata.labels: Invalid value: {value!r}")
+        return await super().patch_metadata(labels, annotations)
+
+
+class Invalid(Exception):
+    status = 422
+    reason = "Invalid"
+
+
+def machine_state(machine: str) -> NodeState:
+    return NodeState(1, NodeInventory(DriverInfo("570.1.2", "12.8"), (gpu(0), gpu(1)), ()), machine=machine)
+
+
+@pytest.mark.parametrize(("machine", "label"), [
+    ("_Custom Build", "Custom-Build"), ("-.DGX H100._", "DGX-H100"), ("..__--", "unknown"),
+    ("Custom Build", "Custom-Build"),
+])
+def test_a_machine_type_becomes_a_valid_label_value(machine: str, label: str) -> None:
+    state = machine_state(machine)
+    intent = node_intent(state, node_labels(state, DEFAULT_CONFIG), TAINT)
+    assert intent.labels["nvidia.com/gpu.machine"] == label
+    assert intent.dropped == ()
+
+
+def test_a_label_that_cannot_be_valid_is_left_out_and_named() -> None:
+    state = machine_state("DGX")
+    labels = {**node_labels(state, DEFAULT_CONFIG), "nvidia.com/gpu.product": "x" * 70,
+              "nvidia.com/cuda.driver.rev": "_1"}
+    intent = node_intent(state, labels, TAINT)
+    assert "nvidia.com/gpu.product" not in intent.labels and "nvidia.com/cuda.driver.rev" not in intent.labels
+    assert intent.labels["nvidia.com/gpu.count"] == "2"
+    rule = ("is not a valid label value (at most 63 characters of A-Z, a-z, 0-9, '-', '_' and '.', beginning and "
+            "ending with a letter or digit); not written")
+    assert intent.dropped == (
+        f"label nvidia.com/cuda.driver.rev: the value '_1' {rule}",
+        f"label nvidia.com/gpu.product: the value '{'x' * 70}' {rule}",
+    )
+
+
+async def test_a_refused_label_blocks_neither_the_taint_nor_the_condition_nor_other_labels() -> None:
+    node = ValidatingNode("n1")
+    bus = StateBus(machine_state("DGX"))
+    bad = {"nvidia.com/cuda.driver.rev": "_1"}
+    reconciler = NodeReconciler(
+        node, bus, lambda s: node_intent(s, {**node_labels(s, DEFAULT_CONFIG), **bad}, TAINT), owned)
+    task = asyncio.create_task(reconciler.run())
+    try:
+        await asyncio.wait_for(reconciler.converged_at(1), 5)
+        fault = DeviceHealth(False, "XID 79", node_fatal=True)
+        await bus.update(health={"GPU-1": fault}, incidents=(Incident(1, "GPU-1", "fault", "XID 79"),))
+        await settle(reconciler, bus, node)
+        assert node.view.taints == ({"key": TAINT.key, "value": "true", "effect": "NoSchedule"},)
+        assert node.view.conditions["GPUHealthy"] == Condition("GPUHealthy", "False", "NodeGPUFault", "XID 79")
+        assert node.view.labels["nvidia.com/gpu.count"] == "2"
+        assert "nvidia.com/cuda.driver.rev" not in node.view.labels
+        line = ("label nvidia.com/cuda.driver.rev: the value '_1' is not a valid label value (at most 63 characters "
+                "of A-Z, a-z, 0-9, '-', '_' and '.', beginning and ending with a letter or digit); not written")
+        assert node.events == [("Warning", "LabelDropped", line), ("Warning", "GPUFault", "GPU GPU-1: XID 79")]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_failing_label_patch_still_lets_the_taint_through() -> None:
+    """Whatever else makes the API server refuse the label patch, the health writes are made first."""
+    node = ValidatingNode("n1")
+    bus = StateBus(machine_state("DGX"))
+    reconciler = NodeReconciler(node, bus, lambda s: node_intent(s, node_labels(s, DEFAULT_CONFIG), TAINT), owned)
+    original = node.patch_metadata
+
+    async def refuse(labels: Mapping[str, str | None], annotations: Mapping[str, str | None]) -> NodeView:
+        raise Invalid("refused")
+
+    node.patch_metadata = refuse  # type: ignore[method-assign]
+    fault = DeviceHealth(False, "XID 79", node_fatal=True)
+    await bus.update(health={"GPU-1": fault}, incidents=(Incident(1, "GPU-1", "fault", "XID 79"),))
+    task = asyncio.create_task(reconciler.run())
+    try:
+        for _ in range(500):
+            if node.view.taints:
+                break
+            await asyncio.sleep(0.01)
+        assert node.view.taints == ({"key": TAINT.key, "value": "true", "effect": "NoSchedule"},)
+        assert node.view.conditions["GPUHealthy"] == Condition("GPUHealthy", "False", "NodeGPUFault", "XID 79")
+        assert "nvidia.com/gpu.count" not in node.view.labels
+        node.patch_metadata = original  # type: ignore[method-assign]
+        await asyncio.wait_for(reconciler.converged_at(bus.current.version), 5)
+        assert node.view.labels["nvidia.com/gpu.count"] == "2"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
