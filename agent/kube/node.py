@@ -50,10 +50,14 @@ class CredentialsError(ValueError):
     """The kubeconfig or in-cluster credentials cannot be used; the message says which part and why."""
 
 
+TOKEN_MAX_BYTES = 64 * 1024
+"""A bearer token is a few kilobytes at most (a projected service-account token is about one)."""
+
+
 @dataclass
 class Credentials:
     server: str
-    ssl: ssl.SSLContext | bool
+    ssl: ssl.SSLContext
     token: str | None = None
     token_file: Path | None = None
     """Read before each request: projected service-account tokens are rotated by the kubelet."""
@@ -62,9 +66,9 @@ class Credentials:
         token = self.token
         if self.token_file is not None:
             try:
-                token = self.token_file.read_text().strip()
-            except OSError as err:
-                raise CredentialsError(f"cannot read the token {self.token_file}: {err.strerror}") from err
+                token = read_text_file(self.token_file, TOKEN_MAX_BYTES).strip()
+            except InputFileError as err:
+                raise CredentialsError(f"cannot read the token {self.token_file}: {err.reason}") from None
         return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -78,9 +82,14 @@ def _material(entry: Mapping[str, Any], key: str, base: Path) -> tuple[str | Non
     return None, None
 
 
-def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext | bool:
+def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext:
+    """The TLS context for the API server: its CA, or (insecure-skip-tls-verify) no check of the server at all;
+    either way a context, so that a client certificate can still be presented."""
     if insecure:
-        return False
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
     return ssl.create_default_context(cafile=ca_file, cadata=ca_data.decode() if ca_data else None)
 
 
@@ -139,9 +148,9 @@ def from_kubeconfig(path: Path) -> Credentials:
     base = path.parent
     ca_file, ca_data = _material(cluster, "certificate-authority", base)
     context_ssl = _ssl_context(ca_file, ca_data, bool(cluster.get("insecure-skip-tls-verify")))
-    if isinstance(context_ssl, ssl.SSLContext):
-        _load_client_cert(context_ssl, _material(user, "client-certificate", base), _material(user, "client-key", base))
-    token_file = Path(user["tokenFile"]) if user.get("tokenFile") else None
+    _load_client_cert(context_ssl, _material(user, "client-certificate", base), _material(user, "client-key", base))
+    # A relative tokenFile is relative to the kubeconfig, as kubectl reads it (and as the certificate paths are).
+    token_file = base / user["tokenFile"] if user.get("tokenFile") else None
     return Credentials(str(cluster["server"]).rstrip("/"), context_ssl, user.get("token"), token_file)
 
 
