@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -36,11 +37,12 @@ from agent.mig.layout import LayoutError, load_layouts
 from agent.mps import MpsDaemons
 from agent.nvml import MockStateError
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
+from agent.podresources import SocketPathError, check_socket
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
 from agent.telemetry.exposition import renderer
 from agent.topology.prefer import Preferences
-from agent.yamlfile import FileProblems, InputFileError
+from agent.yamlfile import FileProblems, InputFileError, read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +93,15 @@ def check_sockets(kubelet_dir: Path, resources: Iterable[str]) -> None:
                            f"{name}, and it needs {need} (use a shorter --kubelet-dir)")
 
 
-def check_paths(config: AgentConfig) -> None:
+def check_paths(config: AgentConfig) -> list[str]:
     """Refuse, before anything starts, the config's paths that would fail only later: a MIG layouts file that
-    cannot be used, a MIG state directory that cannot be written."""
+    cannot be used, a MIG state directory that cannot be written, a PodResources socket path that cannot be the
+    kubelet's. Returns the warnings to log (a PodResources socket not there yet)."""
     mig = config.mig
+    try:
+        warning = check_socket(mig.pod_resources_socket, configured="pod_resources_socket" in mig.model_fields_set)
+    except SocketPathError as err:
+        raise StartupError(str(err)) from None
     if mig.layouts_file is not None:
         try:
             load_layouts(mig.layouts_file)
@@ -109,6 +116,34 @@ def check_paths(config: AgentConfig) -> None:
         raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not writable")
+    return [warning] if warning is not None else []
+
+
+def check_on_node(config: AgentConfig, state: NodeState, kubelet_dir: Path, files: NodeFiles) -> list[str]:
+    """Refuse a config that only the node shows cannot work: a device selected by two sharing entries, a resource
+    name too long for its socket path in the kubelet directory, imex.required without the IMEX channel. The
+    same checks at start and at every reload. Returns the warnings to log."""
+    conflicts = sharing_conflicts(state, config)
+    if conflicts:
+        raise ConfigError("\n".join(conflicts))
+    check_sockets(kubelet_dir, plan(dataclasses.replace(state, config=config)).resources)
+    if config.imex.channel_ids and not files.imex_channel:
+        if config.imex.required:
+            raise ConfigError(f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist")
+        return [f"imex.channelIDs asks for channel 0, but {IMEX_CHANNEL} does not exist; no channel is added"]
+    return []
+
+
+def start_only_changes(old: AgentConfig, new: AgentConfig) -> str | None:
+    """Why `new` cannot replace `old` in a running agent, or None: the DRA section decides which parts the agent
+    is made of (the device plugin or the DRA driver, its name, the CDI directory), so it takes effect only at
+    start."""
+    if new.dra == old.dra:
+        return None
+    changed = [f"dra.{field.alias or name}" for name, field in type(new.dra).model_fields.items()
+               if getattr(new.dra, name) != getattr(old.dra, name)]
+    return (f"{', '.join(changed)} cannot change while the agent runs (the parts it starts depend on it); "
+            "restart the agent to apply it")
 
 
 class NvmlThread:
@@ -176,7 +211,8 @@ class Footing:
     async def take(cls, backend: NvmlBackend, options: AgentOptions) -> Footing:
         """Check the config's paths and the kubelet directory, take the directory's lock and the metrics port;
         raises StartupError (holding nothing) when one of them cannot be had."""
-        check_paths(options.config)
+        for line in check_paths(options.config):
+            log.warning("%s", line)
         check_sockets(options.kubelet_dir, ())
         lock = DirectoryLock(options.kubelet_dir, f"another agent serves the kubelet directory {options.kubelet_dir}")
         try:
@@ -228,12 +264,8 @@ async def _init_nvml(footing: Footing) -> NodeState:
             await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
     inventory = await footing.nvml(footing.backend.inventory)
     config = footing.options.config
-    state = NodeState(version=1, inventory=inventory, config=config,
-                      machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
-    conflicts = sharing_conflicts(state, state.config)
-    if conflicts:
-        raise ConfigError("\n".join(conflicts))
-    return state
+    return NodeState(version=1, inventory=inventory, config=config,
+                     machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
 
 
 async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
@@ -260,13 +292,9 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
             idle = IdleAgent(footing, f"serving nothing: {err} (flags.failOnInitError is false)")
             log.error("%s", idle.reason)
             return idle
-        check_sockets(options.kubelet_dir, plan(state).resources)
         files = NodeFiles.read()
-        if options.config.imex.channel_ids and not files.imex_channel:
-            if options.config.imex.required:
-                raise ConfigError(f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist")
-            log.warning("imex.channelIDs asks for channel 0, but %s does not exist; no channel is added",
-                        IMEX_CHANNEL)
+        for line in check_on_node(options.config, state, options.kubelet_dir, files):
+            log.warning("%s", line)
         bus = StateBus(state)
         agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing),
                       hangup if hangup is not None else asyncio.Event())
@@ -350,6 +378,8 @@ class Agent:
         self.http = footing.http
         """The /metrics, /healthz and /readyz endpoint; None without a metrics port."""
         self.bus = bus
+        self.files = files
+        """The device nodes and files the node has (read once at start)."""
         self.plans = PlanCache()
         self.hangup = hangup
         """Set by SIGHUP: reload the config file."""
@@ -460,21 +490,24 @@ class Agent:
         name = self.bus.current.config_request
         try:
             new = load_config(path, name)
-            conflicts = sharing_conflicts(self.bus.current, new)
-            if conflicts:
-                raise ConfigError("\n".join(f"{path}: {c}" for c in conflicts))
         except ConfigError as err:
-            log.error("config reload rejected; keeping the last good config: %s", err)
-            await self.bus.record([("", "config-rejected", f"config reload rejected: {err}")])
-            return False
+            return await self._reject(str(err))
         if new == self.bus.current.config:
             return True
+        # Exactly the checks start applies (and the parts only a restart can change), with the same lines.
+        try:
+            warnings = [*check_paths(new), *check_on_node(new, self.bus.current, self.options.kubelet_dir,
+                                                          self.files)]
+        except StartupError as err:
+            return await self._reject(str(err).replace("\n", "; "))
+        except ConfigError as err:
+            return await self._reject("\n".join(f"{path}: {line}" for line in str(err).splitlines()))
+        if (start_only := start_only_changes(self.bus.current.config, new)) is not None:
+            return await self._reject(f"{path}: {start_only}")
         if new.health.taint != self.bus.current.config.health.taint and (
                 untolerated := await check_reloaded(self.options.kube, new.health.taint)) is not None:
-            log.error("config reload rejected; keeping the last good config: %s", untolerated)
-            await self.bus.record([("", "config-rejected", f"config reload rejected: {untolerated}")])
-            return False
-        for line in new.without_effect:
+            return await self._reject(untolerated)
+        for line in [*warnings, *new.without_effect]:
             log.warning("%s", line)
         self.metrics.config_in_force(new.without_effect)
         source = f"{path} ({name})" if name else str(path)
@@ -482,6 +515,12 @@ class Agent:
                               machine=machine_type(new.flags.gfd.machine_type_file))
         log.info("config reloaded from %s", source)
         return True
+
+    async def _reject(self, why: str) -> bool:
+        """A reloaded config refused: said in the log and as a ConfigRejected Event; the last good one serves."""
+        log.error("config reload rejected; keeping the last good config: %s", why)
+        await self.bus.record([("", "config-rejected", f"config reload rejected: {why}")])
+        return False
 
     async def _follow_problems(self) -> None:
         """Say why devices are withheld (for example a node that does not fit migStrategy single) whenever that
@@ -571,19 +610,21 @@ def _quantity(text: str) -> int | None:
 
 
 DEFAULT_MACHINE_TYPE_FILE = Path("/sys/class/dmi/id/product_name")
+MACHINE_TYPE_MAX_BYTES = 4096
+"""A DMI product name is a short line; a larger file is not a machine type."""
 
 
 def machine_type(path: Path) -> str:
     """The machine type as GPU feature discovery reads it (flags.gfd.machineTypeFile, by default the DMI product
     name); "unknown" when the file cannot be read."""
     try:
-        with path.open("rb") as f:
-            text = f.read(4096).decode(errors="replace").strip()
-    except OSError as err:
+        # The bounded reader of every input file: a FIFO or device there is refused, never waited on.
+        text = read_text_file(path, MACHINE_TYPE_MAX_BYTES).strip()
+    except InputFileError as err:
         # Machines without DMI (some VMs) have no product name: only a file someone configured is worth a warning.
         level = logging.INFO if path == DEFAULT_MACHINE_TYPE_FILE else logging.WARNING
         log.log(level, "cannot read the machine type from %s: %s; nvidia.com/gpu.machine is unknown", path,
-                err.strerror)
+                err.reason)
         return "unknown"
     return text or "unknown"
 

@@ -1,0 +1,111 @@
+"""A hostile or careless operator against a running agent: a reloaded config gets exactly the checks start gives
+it (the same one-line refusals, the last good config kept), and an input that is not a file is never waited on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.config import load_config
+from tests.fuzz.test_hostile_inputs import AGENT, one_line, run_agent
+from tests.plugin_harness import running_agent, short_dir
+
+IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
+
+
+@pytest.fixture
+def kubelet_dir() -> Iterator[Path]:
+    directory = short_dir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def too_long_for(directory: Path) -> tuple[str, str]:
+    """A time-slicing rename whose socket name does not fit under `directory`, and the line that refuses it."""
+    rename = "example.com/" + "a" * 63
+    room = 107 - len(str(directory)) - 1
+    line = (f"kubelet directory {directory} is {len(str(directory))} bytes long: a socket path holds at most 107 "
+            f"bytes, which leaves {room} for the name of {rename}'s socket, and it needs 106 (use a shorter "
+            "--kubelet-dir)")
+    return (f"version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+            f"      rename: {rename}\n"), line
+
+
+async def reload_refused(tmp_path: Path, bad: str, directory: Path | None = None) -> str:
+    """Start an agent on a good config file, write `bad` over it and reload: the message of the ConfigRejected
+    incident, once checked that the agent still serves the config it had."""
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\n")
+    async with running_agent("single-h200", load_config(path), config_path=path, directory=directory) as rig:
+        before = rig.agent.bus.current.config
+        path.write_text(bad)
+        assert await rig.agent.reload_config() is False
+        assert rig.agent.bus.current.config == before
+        assert sorted(rig.agent.plugins.plugins) == ["nvidia.com/gpu"]
+        incident = rig.agent.bus.current.incidents[-1]
+        assert incident.kind == "config-rejected"
+        return incident.message
+
+
+async def test_a_rename_too_long_for_its_socket_is_refused_at_reload_as_at_start(tmp_path: Path,
+                                                                                 kubelet_dir: Path) -> None:
+    config, line = too_long_for(kubelet_dir)
+    (tmp_path / "bad.yaml").write_text(config)
+    assert one_line(run_agent(kubelet_dir, "--config", str(tmp_path / "bad.yaml"))) == f"gpu-agent run: error: {line}"
+    message = await reload_refused(tmp_path, config, directory=kubelet_dir)
+    assert message == f"config reload rejected: {line}"
+
+
+@pytest.mark.skipif(os.path.exists(IMEX_CHANNEL), reason="this machine has an IMEX channel")
+async def test_imex_required_without_the_channel_is_refused_at_reload_as_at_start(tmp_path: Path,
+                                                                                  kubelet_dir: Path) -> None:
+    config = "version: v1\nimex:\n  channelIDs: [0]\n  required: true\n"
+    (tmp_path / "bad.yaml").write_text(config)
+    line = f"imex.required is true but the IMEX channel {IMEX_CHANNEL} does not exist"
+    assert one_line(run_agent(kubelet_dir, "--config", str(tmp_path / "bad.yaml"))) == f"gpu-agent run: error: {line}"
+    assert await reload_refused(tmp_path, config) == f"config reload rejected: {tmp_path / 'config.yaml'}: {line}"
+
+
+async def test_a_pod_resources_socket_that_is_a_file_is_refused_at_reload_as_at_start(tmp_path: Path,
+                                                                                      kubelet_dir: Path) -> None:
+    not_a_socket = tmp_path / "kubelet.sock"
+    not_a_socket.write_text("")
+    config = f"version: v1\nmig:\n  podResourcesSocket: {not_a_socket}\n"
+    (tmp_path / "bad.yaml").write_text(config)
+    line = (f"mig.podResourcesSocket {not_a_socket} is a regular file, not a socket: set it to the kubelet's "
+            "PodResources socket (<kubelet root>/pod-resources/kubelet.sock)")
+    assert one_line(run_agent(kubelet_dir, "--config", str(tmp_path / "bad.yaml"))) == f"gpu-agent run: error: {line}"
+    assert await reload_refused(tmp_path, config) == f"config reload rejected: {line}"
+
+
+async def test_dra_enabled_flipped_by_a_reload_is_refused_in_one_line(tmp_path: Path) -> None:
+    message = await reload_refused(tmp_path, "version: v1\ndra:\n  enabled: true\n")
+    assert message == (f"config reload rejected: {tmp_path / 'config.yaml'}: dra.enabled cannot change while the "
+                       "agent runs (the parts it starts depend on it); restart the agent to apply it")
+
+
+async def test_a_machine_type_file_that_is_a_fifo_is_not_waited_on(tmp_path: Path, kubelet_dir: Path) -> None:
+    fifo = tmp_path / "product_name"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    config = tmp_path / "config.yaml"
+    config.write_text(f"version: v1\nflags:\n  gfd:\n    machineTypeFile: {fifo}\n")
+    agent = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir),
+        "--metrics-port", "0", "--config", str(config), stderr=asyncio.subprocess.PIPE)
+    assert agent.stderr is not None
+    lines: list[str] = []
+    try:
+        while not lines or "agent started" not in lines[-1]:
+            lines.append((await asyncio.wait_for(agent.stderr.readline(), 20)).decode())
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 15) == 0
+    warnings = [line.split(": ", 1)[1].rstrip("\n") for line in lines if " WARNING " in line]
+    assert warnings == [f"cannot read the machine type from {fifo}: is a FIFO, not a regular file; "
+                        "nvidia.com/gpu.machine is unknown"]
