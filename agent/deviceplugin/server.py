@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,33 @@ def _dir_inode(path: Path) -> int | None:
 
 def _slug(resource: str) -> str:
     return resource.replace("/", "_").replace(".", "-")
+
+
+def _bind_error(path: Path) -> str:
+    """Why a unix socket cannot be made at `path` (grpc says only that it failed): the error of a bind tried
+    here, or that one succeeded after all (then the cause was passing)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(str(path))
+    except OSError as err:
+        return err.strerror or str(err)
+    finally:
+        probe.close()
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return "grpc could not bind it, though a socket can be made there now"
+
+
+def _not_a_socket(path: Path) -> str | None:
+    """What is at `path` when it is there but not a socket (a file or directory left in the kubelet's place);
+    None when it is a socket or absent."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
 
 
 def _inode(path: Path) -> tuple[int, int] | None:
@@ -145,7 +173,7 @@ class ResourcePlugin:
         server = CoreServer(device_plugin_methods(self.servicer), f"plugin-{_slug(self.resource)}", STREAM_THREADS)
         if not server.add_port(f"unix://{path}"):
             server.discard()
-            raise OSError(f"cannot listen on {path}")
+            raise OSError(f"cannot listen on {path}: {_bind_error(path)}")
         server.start()
         with contextlib.suppress(OSError):
             os.chmod(path, 0o600)
@@ -243,6 +271,7 @@ class PluginSet:
         failed_on: tuple[int, int] | None = None
         loop = asyncio.get_running_loop()
         watched: int | None = None
+        reported: str | None = None  # what was said to be in the kubelet socket's place: said once
         while True:
             directory = _dir_inode(self.kubelet_dir)
             if directory != watched:  # first pass, or the directory was replaced: watch the new one
@@ -250,6 +279,12 @@ class PluginSet:
                 watched = directory if directory is not None and watch.start() else None
             await self._sync_resources()
             kubelet = _inode(kubelet_sock)
+            impostor = _not_a_socket(kubelet_sock) if kubelet is None else None
+            if impostor != reported:
+                if impostor is not None:
+                    log.warning("%s is %s, not the kubelet's socket; waiting for the kubelet to make its socket "
+                                "there", kubelet_sock, impostor)
+                reported = impostor
             plugins = list(self.plugins.values())
             pending = [p for p in plugins if not p.socket_intact() or p.registered_kubelet != kubelet]
             # A new kubelet socket ends any backoff: the restarted kubelet is ready now.

@@ -109,3 +109,53 @@ async def test_a_machine_type_file_that_is_a_fifo_is_not_waited_on(tmp_path: Pat
     warnings = [line.split(": ", 1)[1].rstrip("\n") for line in lines if " WARNING " in line]
     assert warnings == [f"cannot read the machine type from {fifo}: is a FIFO, not a regular file; "
                         "nvidia.com/gpu.machine is unknown"]
+
+
+async def agent_lines(argv: list[str], until: str, timeout: float = 20) -> list[str]:
+    """Run `argv` (an agent), collect its log lines until one contains `until`, then stop it with SIGTERM and
+    check that it exits 0."""
+    agent = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
+    assert agent.stderr is not None
+    lines: list[str] = []
+    try:
+        while not lines or until not in lines[-1]:
+            line = (await asyncio.wait_for(agent.stderr.readline(), timeout)).decode()
+            assert line, f"the agent ended before saying {until!r}: {lines}"
+            lines.append(line)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(agent.wait(), 15) == 0
+    return lines
+
+
+def message(line: str) -> str:
+    """A text log line's message (after 'LEVEL logger: ')."""
+    return line.split(": ", 1)[1].rstrip("\n")
+
+
+@pytest.mark.parametrize("kind", ["a regular file", "a directory"])
+async def test_a_kubelet_socket_that_is_not_a_socket_is_named(kubelet_dir: Path, kind: str) -> None:
+    impostor = kubelet_dir / "kubelet.sock"
+    if kind == "a directory":
+        impostor.mkdir()
+    else:
+        impostor.write_text("")
+    lines = await agent_lines([*AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir",
+                               str(kubelet_dir), "--metrics-port", "0"], "not the kubelet's socket")
+    assert message(lines[-1]) == (f"{impostor} is {kind}, not the kubelet's socket; waiting for the kubelet to make "
+                                  "its socket there")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+async def test_a_plugin_socket_that_cannot_be_made_says_why(kubelet_dir: Path) -> None:
+    """In a mount namespace of its own, the kubelet directory is a read-only tmpfs holding the kubelet's socket:
+    the agent's socket cannot be made, and the line says so (it once said only "cannot listen")."""
+    make_kubelet = (f"import socket; socket.socket(socket.AF_UNIX).bind({str(kubelet_dir / 'kubelet.sock')!r})")
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs none "$0" && "$1" -c "$2" && mount -o remount,ro "$0" && shift 2 && exec "$@"',
+            str(kubelet_dir), AGENT[0], make_kubelet, *AGENT, "run", "--no-kube", "--nvml", "mock:single-h200",
+            "--kubelet-dir", str(kubelet_dir), "--metrics-port", "0"]
+    lines = await agent_lines(argv, "registration with the kubelet failed")
+    text = message(lines[-1])
+    prefix = f"registration with the kubelet failed, retrying in 0.5s: cannot listen on {kubelet_dir}/gpu-agent-"
+    assert text.startswith(prefix) and text.endswith(".sock: Read-only file system"), text
