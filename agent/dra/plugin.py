@@ -412,9 +412,12 @@ async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
             prepared = await plugin.prepare(claim.namespace, claim.uid, claim.name)
         except ClaimError as err:
             response.claims[claim.uid].error = str(err)
+            log.warning("cannot prepare claim %s (%s): %s", f"{claim.namespace}/{claim.name}", claim.uid, err)
             continue
         except Exception as err:  # an API server error: the kubelet retries
             response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {type(err).__name__}: {err}"
+            log.warning("cannot prepare claim %s (%s): %s", f"{claim.namespace}/{claim.name}", claim.uid,
+                        response.claims[claim.uid].error)
             continue
         for d in prepared:
             response.claims[claim.uid].devices.append(pb.Device(
@@ -428,14 +431,11 @@ async def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     for claim in claims:
         try:
             await plugin.release(claim.uid)
-        except DynamicMigError as err:
-            response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"
-            continue
-        try:
             plugin.unprepare(claim.uid)
             response.claims[claim.uid].error = ""
-        except OSError as err:
+        except (DynamicMigError, OSError) as err:
             response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"
+            log.warning("cannot unprepare claim %s (%s): %s", f"{claim.namespace}/{claim.name}", claim.uid, err)
     return response
 
 

@@ -80,7 +80,7 @@ def devices_of(response: v1.NodePrepareResourceResponse | v1beta1.NodePrepareRes
 
 
 async def test_registration_prepare_unprepare_and_a_restart_in_between(
-        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path, caplog: pytest.LogCaptureFixture) -> None:
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     registration = root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
     endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
@@ -134,6 +134,13 @@ async def test_registration_prepare_unprepare_and_a_restart_in_between(
                 assert answer.claims[idle["metadata"]["uid"]].error == f"claim {NAMESPACE}/idle: not allocated"
                 assert answer.claims["0000-wrong"].error == (
                     f"claim {NAMESPACE}/train: the API server has UID {uid}, the kubelet asked for 0000-wrong")
+                # Each refusal is in the agent's log too, not only in the kubelet's.
+                assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                        and r.name == "agent.dra.plugin"] == [
+                    f"cannot prepare claim {NAMESPACE}/idle ({idle['metadata']['uid']}): claim {NAMESPACE}/idle: "
+                    "not allocated",
+                    f"cannot prepare claim {NAMESPACE}/train (0000-wrong): claim {NAMESPACE}/train: the API server "
+                    f"has UID {uid}, the kubelet asked for 0000-wrong"]
                 written = spec_file / f"{DRIVER}-claim-{uid}.json"
                 assert json.loads(written.read_text()) == {
                     "cdiVersion": "0.6.0", "kind": kind, "devices": [
