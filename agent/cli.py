@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent import logsink
 from agent.config import ConfigError, load_config
 from agent.nvml import MockStateError
 
@@ -38,20 +41,43 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(fmt: str, level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+    """Log to stderr in `fmt` (text or json) through a writer that never blocks the logging thread
+    (agent/logsink.py)."""
+    text = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logsink.install(JsonFormatter() if fmt == "json" else text, level)
+
+
+def _path(text: str) -> Path:
+    """A path flag's value; an empty one is refused (Path("") is the working directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (an empty path means the working directory)")
+    return Path(text)
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def _address(text: str) -> str:
+    """--metrics-address: an IPv4 or IPv6 address (an IPv6 one may be in brackets, [::1]) or a host name."""
+    bracketed = text.startswith("[") and text.endswith("]")
+    candidate = text[1:-1] if bracketed else text
+    try:
+        address = ipaddress.ip_address(candidate)
+    except ValueError:
+        # A name whose last label is a number is a mistyped IPv4 address (999.1.1.1), not a host name.
+        if not bracketed and _HOST_NAME.fullmatch(text) and not text.rstrip(".").rsplit(".", 1)[-1].isdigit():
+            return text
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+        if not bracketed or address.version == 6:
+            return candidate
+    raise argparse.ArgumentTypeError(f"not an IPv4 or IPv6 address or a host name: {text!r}")
 
 
 def _add_nvml(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--nvml", default=default, metavar="real|mock:PRESET|mock:FILE",
                    help=f"NVML backend (default: {default})")
-    p.add_argument("--mock-state", type=Path, metavar="FILE",
+    p.add_argument("--mock-state", type=_path, metavar="FILE",
                    help="persist the fake NVML's mutable state (MIG, faults) in FILE")
 
 
@@ -60,19 +86,20 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the agent (device plugin, health)")
-    run.add_argument("--config", type=Path, metavar="FILE", help="agent config file (version: v1)")
+    run.add_argument("--config", type=_path, metavar="FILE", help="agent config file (version: v1)")
     _add_nvml(run, "real")
-    run.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+    run.add_argument("--kubelet-dir", type=_path, default=Path("/var/lib/kubelet/device-plugins"),
                      help="the kubelet's device-plugin directory (default: %(default)s)")
     run.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
                      help="this node's name (default: $NODE_NAME)")
     kube = run.add_mutually_exclusive_group()
-    kube.add_argument("--kubeconfig", type=Path, metavar="FILE", help="kubeconfig (default: in-cluster)")
+    kube.add_argument("--kubeconfig", type=_path, metavar="FILE", help="kubeconfig (default: in-cluster)")
     kube.add_argument("--no-kube", action="store_true", help="do not talk to the API server")
     run.add_argument("--metrics-port", type=int, default=9400,
                      help="port for /metrics, /healthz, /readyz; 0 picks a free port (default: %(default)s)")
-    run.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS",
-                     help="address the metrics endpoint binds to (default: %(default)s, every address)")
+    run.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS", type=_address,
+                     help="IPv4 or IPv6 address (or host name) the metrics endpoint binds to "
+                          "(default: %(default)s, every IPv4 address)")
     run.add_argument("--log-format", choices=("text", "json"), default="text")
 
     inspect = sub.add_parser("inspect", help="print what the agent sees through NVML")
@@ -81,8 +108,8 @@ def parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="run the whole agent on a simulated node and show the node")
     sim.add_argument("--node", required=True, metavar="PRESET|FILE", help="simulated node preset or file")
-    sim.add_argument("--config", type=Path, metavar="FILE", help="agent config file (version: v1)")
-    sim.add_argument("--mock-state", type=Path, metavar="FILE", help="persist the fake NVML's state in FILE")
+    sim.add_argument("--config", type=_path, metavar="FILE", help="agent config file (version: v1)")
+    sim.add_argument("--mock-state", type=_path, metavar="FILE", help="persist the fake NVML's state in FILE")
     sim.add_argument("--inject-xid", action="append", default=[], metavar="GPU:XID", type=_gpu_xid,
                      help="after start, inject XID on GPU (by index); repeatable")
     sim.add_argument("--json", action="store_true", help="machine-readable output")
@@ -90,10 +117,10 @@ def parser() -> argparse.ArgumentParser:
     mig.add_argument("action", choices=("plan", "apply", "assert"),
                      help="plan: print the changes; apply: make them; assert: exit 0 only if applied")
     _add_nvml(mig, "real")
-    mig.add_argument("--mig-config", type=Path, metavar="FILE",
+    mig.add_argument("--mig-config", type=_path, metavar="FILE",
                      help="layout file in the mig-parted v1 format (default: the shipped layouts)")
     mig.add_argument("--layout", required=True, metavar="NAME", help="the layout to plan, apply or check")
-    mig.add_argument("--state-dir", type=Path, default=Path("/var/lib/gpu-node-agent"),
+    mig.add_argument("--state-dir", type=_path, default=Path("/var/lib/gpu-node-agent"),
                      help="where the apply journal is kept (default: %(default)s)")
     mig.add_argument("--json", action="store_true", help="machine-readable output")
     _add_fault_parser(sub)
@@ -131,7 +158,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.kubeconfig is not None and not args.kubeconfig.is_file():
         raise CliError(f"kubeconfig {args.kubeconfig} does not exist")
     backend = _backend(args.nvml, args.mock_state)
-    _check_pod_resources_socket(config)
 
     async def main() -> int:
         kube = None
@@ -166,19 +192,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     except NvmlUnavailable as err:
         hint = " (is the NVIDIA driver installed, and libnvidia-ml.so.1 injected into the container?)"
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
-
-
-def _check_pod_resources_socket(config: Any) -> None:
-    """The kubelet's PodResources socket: a path that cannot be it is refused; one not there yet is a warning."""
-    from agent.podresources import SocketPathError, check_socket
-
-    mig = config.mig
-    try:
-        warning = check_socket(mig.pod_resources_socket, configured="pod_resources_socket" in mig.model_fields_set)
-    except SocketPathError as err:
-        raise CliError(str(err)) from None
-    if warning is not None:
-        logging.getLogger("agent.podresources").warning("%s", warning)
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:
@@ -259,17 +272,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.daemon import StartupError
+    from agent.nvml.backend import NvmlUnavailable
     from agent.simulate import SimulationError, describe, simulate
 
     setup_logging("text", logging.ERROR)
     config = load_config(args.config)
     backend = _backend(f"mock:{args.node}", args.mock_state)
-    from agent.nvml.backend import NvmlUnavailable
+    signals: list[int] = []
+
+    async def run() -> dict[str, Any]:
+        # SIGTERM and SIGINT cancel the simulation: it stops the agent and removes its directory on the way out.
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(signum: int) -> None:
+            if not signals:
+                task.cancel()
+            signals.append(signum)
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop, sig)
+        return await simulate(backend, config, node_name=_node_name(args.node), inject_xids=args.inject_xid)
 
     try:
-        view = asyncio.run(simulate(backend, config, node_name=_node_name(args.node), inject_xids=args.inject_xid))
-    except (NvmlUnavailable, SimulationError) as err:
-        raise CliError(str(err)) from err
+        view = asyncio.run(run())
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        return 128 + signals[0]
+    except (NvmlUnavailable, SimulationError, StartupError) as err:
+        raise CliError(str(err)) from None
+    logsink.flush()  # what was logged comes before the output
     print(json.dumps(view, indent=2) if args.json else describe(view))
     return 0
 
@@ -400,7 +435,7 @@ def _add_fault_parser(sub: Any) -> None:
                     + "; ".join(f"{name}: {what}" for name, what in FAULTS.items()) + ".")
     fault.add_argument("--nvml", required=True, metavar="mock:PRESET|mock:FILE",
                        help="the same mock node as the running agent's --nvml")
-    fault.add_argument("--mock-state", required=True, type=Path, metavar="FILE",
+    fault.add_argument("--mock-state", required=True, type=_path, metavar="FILE",
                        help="the running agent's --mock-state file")
     fault.add_argument("action", choices=tuple(FAULTS), help="what to do to the GPU")
     fault.add_argument("gpu", metavar="GPU", help="GPU index")
@@ -453,10 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (CliError, ConfigError, MockStateError) as err:
-        print(f"gpu-agent {args.command}: error: {err}", file=sys.stderr)
+        logsink.stderr_line(f"gpu-agent {args.command}: error: {err}")
         return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    finally:
+        logsink.flush()  # what is still queued, waiting at most logsink.FLUSH_S
 
 
 if __name__ == "__main__":

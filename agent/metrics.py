@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from agent import logsink
 from agent.inventory import Device
 from agent.nvml.records import HealthReading
 from agent.state import StateBus
@@ -66,6 +67,8 @@ class Metrics:
             "DRA mode: how unhealthy devices are kept out of claims, once decided (1 for the mode in effect): "
             "taints (the API server keeps device taints) or withdrawal (it drops them).", ["mode"], registry=r)
 
+        self.registry.register(_LogDropCollector())
+
     def health_mode(self, mode: str) -> None:
         """Record the DRA health mode the slice publisher decided on ("taints" or "withdrawal")."""
         for known in ("taints", "withdrawal"):
@@ -94,6 +97,17 @@ class Metrics:
               telemetry: Callable[[], Mapping[str, HealthReading]],
               xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self.registry.register(StateCollector(bus, devices, telemetry, xids))
+
+
+class _LogDropCollector(Collector):
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("gpu_agent_log_lines_dropped", "Log lines dropped because stderr was not "
+                                     "being read (agent/logsink.py).")
+        family.add_metric([], sum(sink.dropped for sink in logsink.sinks()))
+        yield family
 
 
 class ReadyCollector(Collector):
@@ -214,6 +228,10 @@ class HttpEndpoint:
 
     async def start(self, port: int, host: str = "0.0.0.0") -> None:
         self._server = await asyncio.start_server(self._handle, host, port, limit=REQUEST_LINE_MAX)
+        # The port actually bound (--metrics-port 0 picks one), on every address the host resolved to.
+        bound = [s.getsockname() for s in self._server.sockets]
+        log.info("serving /metrics, /healthz and /readyz on %s",
+                 ", ".join(f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for a in bound))
 
     async def stop(self) -> None:
         if self._server is not None:

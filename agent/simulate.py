@@ -224,7 +224,7 @@ async def _settle(agent: Agent, kubelet: StandInKubelet, node: InMemoryNode, xid
         and reconciler.converged_version >= agent.bus.current.version
     ):
         if loop.time() > deadline:
-            raise TimeoutError("the simulated node did not settle")
+            raise SimulationError(f"the simulated node did not settle within {SETTLE_TIMEOUT_S:g}s")
         await asyncio.sleep(0.02)
 
 
