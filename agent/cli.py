@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,19 @@ def _address(text: str) -> str:
     raise argparse.ArgumentTypeError(f"not an IPv4 or IPv6 address or a host name: {text!r}")
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` above 0."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {'whole ' if kind is int else ''}number: {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text!r}")
+        return value
+    return parse
+
+
 def _add_nvml(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--nvml", default=default, metavar="real|mock:PRESET|mock:FILE",
                    help=f"NVML backend (default: {default})")
@@ -100,6 +113,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDRESS", type=_address,
                      help="IPv4 or IPv6 address (or host name) the metrics endpoint binds to "
                           "(default: %(default)s, every IPv4 address)")
+    run.add_argument("--kube-api-qps", type=_positive(float), default=5.0, metavar="QPS",
+                     help="requests a second to the API server, at most, on average (default: %(default)s)")
+    run.add_argument("--kube-api-burst", type=_positive(int), default=10, metavar="N",
+                     help="requests to the API server at once before --kube-api-qps paces them "
+                          "(default: %(default)s)")
     run.add_argument("--log-format", choices=("text", "json"), default="text")
 
     inspect = sub.add_parser("inspect", help="print what the agent sees through NVML")
@@ -165,7 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             from agent.kube.node import NodeApi
 
             try:
-                kube = await NodeApi.connect(args.kubeconfig, args.node_name)
+                kube = await NodeApi.connect(args.kubeconfig, args.node_name, args.kube_api_qps,
+                                             int(args.kube_api_burst))
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
             from agent.kube.selfpod import NotTolerated, check_at_start

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,7 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
 from agent.kube.selfpod import check_reloaded
+from agent.kube.usage import ApiCollector, ApiCounts
 from agent.labels import node_labels, owned
 from agent.locks import DirectoryLock, Held
 from agent.metrics import HttpEndpoint, Metrics
@@ -93,10 +96,10 @@ def check_sockets(kubelet_dir: Path, resources: Iterable[str]) -> None:
                            f"{name}, and it needs {need} (use a shorter --kubelet-dir)")
 
 
-def check_paths(config: AgentConfig) -> list[str]:
+def check_paths(config: AgentConfig) -> None:
     """Refuse, before anything starts, the config's paths that would fail only later: a MIG layouts file that
     cannot be used, a MIG state directory that cannot be written, a PodResources socket path that cannot be the
-    kubelet's. Returns the warnings to log (a PodResources socket not there yet)."""
+    kubelet's (one not there yet is a warning)."""
     mig = config.mig
     try:
         warning = check_socket(mig.pod_resources_socket, configured="pod_resources_socket" in mig.model_fields_set)
@@ -116,7 +119,8 @@ def check_paths(config: AgentConfig) -> list[str]:
         raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise StartupError(f"mig.stateDir {mig.state_dir}: {existing} is not writable")
-    return [warning] if warning is not None else []
+    if warning is not None:
+        logging.getLogger("agent.podresources").warning("%s", warning)
 
 
 def check_on_node(config: AgentConfig, state: NodeState, kubelet_dir: Path, files: NodeFiles) -> list[str]:
@@ -211,8 +215,7 @@ class Footing:
     async def take(cls, backend: NvmlBackend, options: AgentOptions) -> Footing:
         """Check the config's paths and the kubelet directory, take the directory's lock and the metrics port;
         raises StartupError (holding nothing) when one of them cannot be had."""
-        for line in check_paths(options.config):
-            log.warning("%s", line)
+        check_paths(options.config)
         check_sockets(options.kubelet_dir, ())
         lock = DirectoryLock(options.kubelet_dir, f"another agent serves the kubelet directory {options.kubelet_dir}")
         try:
@@ -228,9 +231,15 @@ class Footing:
                 await http.start(options.metrics_port, options.metrics_host)
             except OSError as err:
                 lock.release()
-                why = os.strerror(err.errno) if err.errno else str(err)
-                raise StartupError(f"cannot serve metrics on {options.metrics_host}:{options.metrics_port}: {why} "
-                                   "(choose another --metrics-port)") from None
+                host = options.metrics_host
+                if isinstance(err, socket.gaierror):
+                    why, fix = err.strerror or str(err), "check --metrics-address"
+                else:
+                    why = os.strerror(err.errno) if err.errno else str(err)
+                    fix = ("choose another --metrics-port" if err.errno in (errno.EADDRINUSE, errno.EACCES)
+                           else "check --metrics-address")
+                shown = f"[{host}]" if ":" in host else host
+                raise StartupError(f"cannot serve metrics on {shown}:{options.metrics_port}: {why} ({fix})") from None
         return cls(backend, options, lock, NvmlThread(), metrics, readiness, http)
 
     async def release(self) -> None:
@@ -401,8 +410,11 @@ class Agent:
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
                                  dra.plugin.holders if dra is not None else list)
         self.mps = MpsDaemons(bus)
+        counts = getattr(options.kube, "counts", None)
+        self.api_counts = counts if isinstance(counts, ApiCounts) else ApiCounts()
+        """What the agent's API client sent and how its watches fared (for /metrics); zeros without one."""
         self.reconciler: NodeReconciler | None = (
-            NodeReconciler(options.kube, bus, _intent, owned, self.metrics.api_errors.inc)
+            NodeReconciler(options.kube, bus, _intent, owned, self.metrics.api_errors.inc, self.api_counts)
             if options.kube is not None else None)
         """Keeps the agent's parts of its Node; None without an API server (--no-kube)."""
         self.dra = dra
@@ -426,6 +438,8 @@ class Agent:
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
         self.metrics.watch_ready(self.ready)
+        # Without an API server the figures are there all the same, at zero: dashboards need no special case.
+        self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
         self._spawn("telemetry", telemetry.run)
         self._spawn("mig", self.mig.run)
@@ -496,8 +510,8 @@ class Agent:
             return True
         # Exactly the checks start applies (and the parts only a restart can change), with the same lines.
         try:
-            warnings = [*check_paths(new), *check_on_node(new, self.bus.current, self.options.kubelet_dir,
-                                                          self.files)]
+            check_paths(new)
+            warnings = check_on_node(new, self.bus.current, self.options.kubelet_dir, self.files)
         except StartupError as err:
             return await self._reject(str(err).replace("\n", "; "))
         except ConfigError as err:

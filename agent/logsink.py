@@ -172,9 +172,9 @@ def flush() -> None:
 def stderr_line(line: str) -> None:
     """Write a line on stderr after everything logged before it: through the log's writer when there is one
     (a stalled reader then loses it rather than holding the process), else directly."""
-    sinks = sinks()
-    if not sinks:
+    installed = sinks()
+    if not installed:
         print(line, file=sys.stderr, flush=True)
         return
-    sinks[0].write(line)
-    sinks[0].flush()
+    installed[0].write(line)
+    installed[0].flush()

@@ -12,24 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
+import random
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
-
 from agent.dra.pci import sysfs_pcie_root
 from agent.dra.slices import PcieRootLookup, slice_name, slice_spec, taint_key
-from agent.kube.node import REQUEST_TIMEOUT_S, ApiError, Credentials, NodeApi
+from agent.kube.client import ApiClient
+from agent.kube.node import NodeApi
+from agent.kube.usage import ApiError, Backoff
 from agent.kube.view import describe_error
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
-RECHECK_S = 30.0
+RECHECK_S = 1800.0
+"""How often the slice is read back to see nobody changed or deleted it (times 1 to 1.5, so that a fleet's
+checks do not line up): twice an hour or less, against one LIST and one GET every 30 s before."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 UNDECIDED, TAINTS, WITHDRAWAL = "undecided", "taints", "withdrawal"
@@ -44,43 +46,22 @@ class SliceClient(Protocol):
 
 
 class SliceApi:
-    """ResourceSlices through the API server with the agent's own credentials (aiohttp, as agent/kube/node.py)."""
+    """ResourceSlices (and the ResourceClaims the kubelet plugin reads) through the agent's one API client."""
 
-    def __init__(self, credentials: Credentials) -> None:
-        self._credentials = credentials
-        self._session: aiohttp.ClientSession | None = None
+    def __init__(self, api: ApiClient) -> None:
+        self.api = api
         self.writes = 0
 
     @classmethod
     def sharing(cls, node_api: NodeApi) -> SliceApi:
-        """The same server and credentials as the agent's Node client."""
-        return cls(node_api._credentials)
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._credentials.ssl, limit=2))
-        return self._session
+        """The agent's Node client's API client: the same server, credentials, rate limit and counts."""
+        return cls(node_api.api)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.api.close()
 
     async def _request(self, method: str, path: str, body: Any = None) -> Any:
-        headers = {"Accept": "application/json", **self._credentials.headers()}
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body)
-        async with self._http().request(method, self._credentials.server + path, data=data, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
-            payload = await response.read()
-            if response.status >= 400:
-                try:
-                    detail = json.loads(payload)
-                    raise ApiError(response.status, str(detail.get("reason", "")), str(detail.get("message", "")))
-                except ValueError:
-                    raise ApiError(response.status, "", payload.decode(errors="replace")[:200]) from None
-            return json.loads(payload) if payload else None
+        return await self.api.request(method, path, body)
 
     async def get(self, name: str) -> dict[str, Any] | None:
         try:
@@ -153,6 +134,12 @@ class SlicePublisher:
         """The pool generation last written (0 before the first write)."""
         self._written: tuple[object, object] | None = None
         """The resourceVersion of this agent's last write and the devices it wrote."""
+        self._stored: dict[str, Any] | None = None
+        """The slice as the API server stored this agent's last write (its metadata makes the next write
+        conditional on nothing having changed it since)."""
+        self.verify = True
+        """The next sync reads what the API server has (set for the first, after a republish or a failure, and
+        every RECHECK_S)."""
         self.published = asyncio.Event()
         """Set once the slice matches the current state."""
         self.health_mode = UNDECIDED
@@ -170,24 +157,30 @@ class SlicePublisher:
         self._wake.set()
 
     async def sync(self, state: NodeState) -> bool:
-        """Make the slice match `state`; returns whether anything was written."""
+        """Make the slice match `state`; returns whether anything was written. Only a check (`verify`: the first
+        sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
+        wrote, and a state whose devices are the same costs no request."""
         wrote = False
-        for other in await self._api.list(self.node, self.driver):
-            other_name = (other.get("metadata") or {}).get("name")
-            if other_name and other_name != self.name:
-                log.info("deleting stale ResourceSlice %s of driver %s", other_name, self.driver)
-                await self._api.delete(other_name)
-                wrote = True
+        if self.verify:
+            for other in await self._api.list(self.node, self.driver):
+                other_name = (other.get("metadata") or {}).get("name")
+                if other_name and other_name != self.name:
+                    log.info("deleting stale ResourceSlice %s of driver %s", other_name, self.driver)
+                    await self._api.delete(other_name)
+                    wrote = True
         written = await self._write(state)
         return written or wrote
 
     async def _write(self, state: NodeState) -> bool:
+        read = self.verify or self._stored is None
         while True:
             wanted = slice_spec(state, self.node, self.driver, 0, self._pcie_root,
                                 taints=self.health_mode != WITHDRAWAL)
             devices = copy.deepcopy(wanted["devices"])
             tainted = {d["name"] for d in devices if d.get("taints")}
-            have = await self._api.get(self.name)
+            if not read and self._written is not None and self._written[1] == devices:
+                return False  # what this agent last wrote, and nothing says it changed since
+            have = await self._api.get(self.name) if read else self._stored
             body: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "spec": wanted}
             if have is not None:
                 meta = have.get("metadata") or {}
@@ -206,8 +199,15 @@ class SlicePublisher:
             if tainted and self.health_mode == UNDECIDED and not self._keeps_taints(
                     tainted, await self._send(have is not None, body, dry_run=True)):
                 continue
-            written = await self._send(have is not None, body)
+            try:
+                written = await self._send(have is not None, body)
+            except ApiError as err:
+                if err.status not in (404, 409) or read:
+                    raise
+                read = True  # changed or deleted since this agent wrote it: read it, then write again
+                continue
             self.generation = generation
+            self._stored = written
             self._written = ((written.get("metadata") or {}).get("resourceVersion"), devices)
             log.info("published ResourceSlice %s: %d device(s), pool generation %d", self.name,
                      len(wanted["devices"]), self.generation)
@@ -238,33 +238,43 @@ class SlicePublisher:
         return False
 
     async def run(self) -> None:
-        backoff = BACKOFF_MIN_S
-        version = -1
+        """Keep the slice published: at each new state, at each republish, and every RECHECK_S (jittered) to
+        see it was not changed or deleted behind the agent's back. A failure waits out a jittered backoff before
+        the next try, whatever comes in meanwhile, and is said once per episode with the API server's reason."""
+        backoff = Backoff(first_min=BACKOFF_MIN_S, first_max=2 * BACKOFF_MIN_S, cap=BACKOFF_MAX_S)
         while True:
             state = self._bus.current
             try:
                 await self.sync(state)
-                version = state.version
+                self.verify = False
                 self.published.set()
-                backoff = BACKOFF_MIN_S
-                timeout: float = RECHECK_S
+                if backoff.failures:
+                    log.info("ResourceSlice %s published after %d failed attempt(s)", self.name, backoff.failures)
+                backoff.succeeded()
             except asyncio.CancelledError:
                 raise
             except Exception as err:
                 self.published.clear()
+                self.verify = True
                 self._on_error()
-                log.warning("ResourceSlice update failed (%s); retrying in %.1fs", describe_error(err), backoff)
-                timeout, backoff = backoff, min(BACKOFF_MAX_S, backoff * 2)
-            newer = asyncio.ensure_future(self._bus.wait_newer(version))
+                delay = backoff.next_delay(err)
+                if backoff.failures == 1:
+                    log.warning("ResourceSlice %s update failed (%s); retrying in %.1fs, backing off while it "
+                                "fails", self.name, describe_error(err), delay)
+                await asyncio.sleep(delay)
+                continue
+            newer = asyncio.ensure_future(self._bus.wait_newer(state.version))
             woken = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({newer, woken}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({newer, woken}, timeout=RECHECK_S * random.uniform(1.0, 1.5),
+                                             return_when=asyncio.FIRST_COMPLETED)
             finally:
                 newer.cancel()
                 woken.cancel()
-            if self._wake.is_set():
+            if self._wake.is_set() or not done:
                 self._wake.clear()
-            if self._bus.current.version != version:
+                self.verify = True  # a republish, or the time for a check
+            if self._bus.current.version != state.version:
                 self.published.clear()
 
 

@@ -7,163 +7,37 @@ on one object, and the generated client's models alone would cost it about 40 MB
 
 from __future__ import annotations
 
-import base64
 import datetime
-import json
 import logging
-import os
-import ssl
-import tempfile
+import random
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-
+from agent.kube.client import DEFAULT_BURST, DEFAULT_QPS, REQUEST_TIMEOUT_S, ApiClient, TokenBucket
+from agent.kube.credentials import Credentials, from_kubeconfig, in_cluster
+from agent.kube.usage import ApiCounts, ApiError
 from agent.kube.view import Condition, NodeView
-from agent.yamlfile import InputFileError, YamlProblem, load_yaml, read_text_file
 
 log = logging.getLogger(__name__)
 
-WATCH_TIMEOUT_S = 300
-"""The server ends each watch after this long; the agent lists and watches again."""
-REQUEST_TIMEOUT_S = 30.0
+WATCH_TIMEOUT_MIN_S = 1800
+"""The server ends each watch after a time drawn from [this, twice this) (the API server's own default range,
+--min-request-timeout), and the agent watches again from the last version it saw: a watch costs the control
+plane one request per half hour or so, and a fleet's watches do not all end together."""
+EVENT_REPEAT_S = 600.0
+"""A repeat of an Event within ten minutes counts on the one recorded (the kubelet's recorder aggregates the
+same way)."""
+EVENT_BURST = 25
+EVENT_REFILL_S = 300.0
+"""Events per Node: a burst of 25, then one every five minutes (the kubelet's recorder's spam filter)."""
+EVENT_CACHE = 64
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-MAX_LINE = 16 * 1024 * 1024
-"""A watch event is one line; a Node with many images in its status is large."""
-
-
-class ApiError(RuntimeError):
-    """The API server answered with an error status."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-
-
-class CredentialsError(ValueError):
-    """The kubeconfig or in-cluster credentials cannot be used; the message says which part and why."""
-
-
-TOKEN_MAX_BYTES = 64 * 1024
-"""A bearer token is a few kilobytes at most (a projected service-account token is about one)."""
-
-
-@dataclass
-class Credentials:
-    server: str
-    ssl: ssl.SSLContext
-    token: str | None = None
-    token_file: Path | None = None
-    """Read before each request: projected service-account tokens are rotated by the kubelet."""
-
-    def headers(self) -> dict[str, str]:
-        token = self.token
-        if self.token_file is not None:
-            try:
-                token = read_text_file(self.token_file, TOKEN_MAX_BYTES).strip()
-            except InputFileError as err:
-                raise CredentialsError(f"cannot read the token {self.token_file}: {err.reason}") from None
-        return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _material(entry: Mapping[str, Any], key: str, base: Path) -> tuple[str | None, bytes | None]:
-    """A kubeconfig file reference (`key`, relative to the kubeconfig) or inline data (`key-data`, base64)."""
-    if entry.get(f"{key}-data"):
-        return None, base64.b64decode(entry[f"{key}-data"])
-    if entry.get(key):
-        path = Path(entry[key])
-        return str(path if path.is_absolute() else base / path), None
-    return None, None
-
-
-def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext:
-    """The TLS context for the API server: its CA, or (insecure-skip-tls-verify) no check of the server at all;
-    either way a context, so that a client certificate can still be presented."""
-    if insecure:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        return context
-    return ssl.create_default_context(cafile=ca_file, cadata=ca_data.decode() if ca_data else None)
-
-
-def _load_client_cert(context: ssl.SSLContext, cert: tuple[str | None, bytes | None],
-                      key: tuple[str | None, bytes | None]) -> None:
-    (cert_file, cert_data), (key_file, key_data) = cert, key
-    if not (cert_file or cert_data):
-        return
-    with tempfile.TemporaryDirectory(prefix="gpu-agent-cert-") as tmp:
-        # The ssl module loads certificates from files only; inline data is written to a private temp dir.
-        if cert_data is not None:
-            cert_file = os.path.join(tmp, "cert.pem")
-            Path(cert_file).write_bytes(cert_data)
-        if key_data is not None:
-            key_file = os.path.join(tmp, "key.pem")
-            Path(key_file).write_bytes(key_data)
-        assert cert_file is not None
-        context.load_cert_chain(cert_file, key_file)
-
-
-def _named(config: dict[str, Any], section: str, name: object, path: Path) -> dict[str, Any]:
-    """The `section` entry (cluster, user, context) called `name` in a kubeconfig, or CredentialsError."""
-    entries = config.get(section + "s") or []
-    if not isinstance(entries, list):
-        raise CredentialsError(f"kubeconfig {path}: {section}s is not a list")
-    for entry in entries:
-        if isinstance(entry, dict) and entry.get("name") == name:
-            body = entry.get(section) or {}
-            if not isinstance(body, dict):
-                raise CredentialsError(f"kubeconfig {path}: {section} {name!r} is not a mapping")
-            return body
-    raise CredentialsError(f"kubeconfig {path}: no {section} named {name!r}")
-
-
-def from_kubeconfig(path: Path) -> Credentials:
-    """Server and credentials of the kubeconfig's current context: token, token file or client certificate."""
-    try:
-        config = load_yaml(read_text_file(path))
-    except InputFileError as err:
-        raise CredentialsError(f"cannot read kubeconfig {path}: {err.reason}") from None
-    except YamlProblem as err:
-        raise CredentialsError(f"kubeconfig {path}: {err}") from None
-    if not isinstance(config, dict):
-        raise CredentialsError(f"kubeconfig {path}: not a kubeconfig (expected a mapping)")
-    current = config.get("current-context")
-    if not current:
-        raise CredentialsError(f"kubeconfig {path}: no current-context (set one with kubectl config use-context)")
-    context = _named(config, "context", current, path)
-    cluster = _named(config, "cluster", context.get("cluster"), path)
-    user = _named(config, "user", context.get("user"), path) if context.get("user") else {}
-    if not cluster.get("server"):
-        raise CredentialsError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
-    if "exec" in user or "auth-provider" in user:
-        raise CredentialsError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
-                               "use a token, a token file or a client certificate")
-    base = path.parent
-    ca_file, ca_data = _material(cluster, "certificate-authority", base)
-    context_ssl = _ssl_context(ca_file, ca_data, bool(cluster.get("insecure-skip-tls-verify")))
-    _load_client_cert(context_ssl, _material(user, "client-certificate", base), _material(user, "client-key", base))
-    # A relative tokenFile is relative to the kubeconfig, as kubectl reads it (and as the certificate paths are).
-    token_file = base / user["tokenFile"] if user.get("tokenFile") else None
-    return Credentials(str(cluster["server"]).rstrip("/"), context_ssl, user.get("token"), token_file)
-
-
-def in_cluster() -> Credentials:
-    """The pod's service account: the API server from the environment, the projected token and CA."""
-    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    if not host:
-        raise CredentialsError("not running in a pod (KUBERNETES_SERVICE_HOST is not set); pass --kubeconfig")
-    ca = SERVICE_ACCOUNT / "ca.crt"
-    if not ca.exists():
-        raise CredentialsError(f"no service-account CA at {ca}")
-    server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    return Credentials(server, _ssl_context(str(ca), None, False), token_file=SERVICE_ACCOUNT / "token")
+__all__ = ["REQUEST_TIMEOUT_S", "ApiError", "Credentials", "NodeApi", "node_view"]
 
 
 def _taint(taint: Mapping[str, Any]) -> dict[str, str]:
@@ -192,27 +66,31 @@ def node_view(node: Mapping[str, Any]) -> NodeView:
 class NodeApi:
     """What the agent does with the API: its own Node (and a read of its own Pod). Counts every write it makes."""
 
-    def __init__(self, credentials: Credentials, node_name: str) -> None:
-        self._credentials = credentials
+    def __init__(self, api: ApiClient | Credentials, node_name: str) -> None:
+        self.api = api if isinstance(api, ApiClient) else ApiClient(api)
+        """The agent's one API server client (rate limit, counts), shared with the DRA slice publisher."""
         self.node_name = node_name
         self.writes = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._events: dict[tuple[str, str, str, str], _Recorded] = {}
+        """The Events recorded lately, oldest first, by (reason, message, type, node UID)."""
+        self._event_tokens = TokenBucket(1 / EVENT_REFILL_S, EVENT_BURST)
+        self._dropping = False
 
     @classmethod
-    async def connect(cls, kubeconfig: Path | None, node_name: str) -> NodeApi:
-        return cls(from_kubeconfig(kubeconfig) if kubeconfig is not None else in_cluster(), node_name)
+    async def connect(cls, kubeconfig: Path | None, node_name: str, qps: float = DEFAULT_QPS,
+                      burst: int = DEFAULT_BURST) -> NodeApi:
+        """The client of the kubeconfig's current context (in-cluster credentials without one), with a rate
+        limit of `qps` requests a second on average and bursts of `burst`."""
+        credentials = from_kubeconfig(kubeconfig) if kubeconfig is not None else in_cluster()
+        return cls(ApiClient(credentials, qps, burst), node_name)
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._credentials.ssl, limit=4),
-                read_bufsize=MAX_LINE // 2,  # a line may grow to twice this before aiohttp refuses it
-            )
-        return self._session
+    @property
+    def counts(self) -> ApiCounts:
+        """What the agent's API client sent, for /metrics."""
+        return self.api.counts
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.api.close()
 
     @property
     def _node_path(self) -> str:
@@ -220,17 +98,7 @@ class NodeApi:
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
                        timeout: float = REQUEST_TIMEOUT_S) -> Any:
-        headers = {"Accept": "application/json", **self._credentials.headers()}
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body)
-        async with self._http().request(method, self._credentials.server + path, data=data, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            payload = await response.read()
-            if response.status >= 400:
-                raise _error(response.status, payload)
-            return json.loads(payload) if payload else None
+        return await self.api.request(method, path, body, content_type, timeout)
 
     async def get(self) -> NodeView:
         return node_view(await self._request("GET", self._node_path))
@@ -241,27 +109,21 @@ class NodeApi:
         pod = await self._request("GET", path, timeout=timeout)
         return pod if isinstance(pod, dict) else {}
 
-    async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
-        """Node versions after `resource_version`; ends when the watch expires (the caller lists again).
-        An expired version raises ApiError 410."""
+    async def watch(self, resource_version: str) -> AsyncIterator[NodeView | str]:
+        """Node versions after `resource_version`, and the resourceVersion of each bookmark (a str), until the
+        server ends the watch. A version the server no longer has raises ApiError 410 (list again)."""
         selector = quote(f"metadata.name={self.node_name}", safe="")
+        server_timeout = random.randrange(WATCH_TIMEOUT_MIN_S, 2 * WATCH_TIMEOUT_MIN_S)
         path = (f"/api/v1/nodes?watch=true&fieldSelector={selector}&resourceVersion={quote(resource_version)}"
-                f"&timeoutSeconds={WATCH_TIMEOUT_S}&allowWatchBookmarks=true")
-        headers = {"Accept": "application/json", **self._credentials.headers()}
-        # The server closes the watch after WATCH_TIMEOUT_S; the client waits a little longer for that.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=WATCH_TIMEOUT_S + 30)
-        async with self._http().get(self._credentials.server + path, headers=headers, timeout=timeout) as response:
-            if response.status >= 400:
-                raise _error(response.status, await response.read())
-            async for line in response.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    raise ApiError(int(obj.get("code", 500)), obj.get("reason", ""), obj.get("message", ""))
-                if kind in ("ADDED", "MODIFIED"):
-                    yield node_view(obj)
+                f"&timeoutSeconds={server_timeout}&allowWatchBookmarks=true")
+        async for event in self.api.watch_lines(path, server_timeout):
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                raise ApiError(int(obj.get("code", 500)), obj.get("reason", ""), obj.get("message", ""))
+            if kind in ("ADDED", "MODIFIED"):
+                yield node_view(obj)
+            elif kind == "BOOKMARK":
+                yield str((obj.get("metadata") or {}).get("resourceVersion") or resource_version)
 
     async def patch_metadata(self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]) -> NodeView:
         """A JSON merge patch of the given keys; None deletes a key. Other keys are left alone."""
@@ -290,7 +152,35 @@ class NodeApi:
         return node_view(await self._request("PATCH", self._node_path + "/status", body, STRATEGIC_MERGE_PATCH))
 
     async def event(self, reason: str, message: str, kind: str = "Normal", uid: str = "") -> None:
+        """Record an Event on the Node, as the kubelet's recorder does: a repeat of the same reason and message
+        within EVENT_REPEAT_S raises the count of the Event already there (one PATCH) instead of making another,
+        and Events are rate limited (a burst of EVENT_BURST, then one per EVENT_REFILL_S); one beyond the limit
+        is dropped, counted and said once."""
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        key = (reason, message, kind, uid)
+        seen = self._events.get(key)
+        clock = time.monotonic()
+        if seen is not None and clock - seen.at < EVENT_REPEAT_S:
+            path = f"/api/v1/namespaces/default/events/{quote(seen.name, safe='')}"
+            self.writes += 1
+            try:
+                await self._request("PATCH", path, {"count": seen.count + 1, "lastTimestamp": now}, MERGE_PATCH)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                del self._events[key]  # it expired from the API server (an hour by default): record it anew
+            else:
+                self._events[key] = _Recorded(seen.name, seen.count + 1, clock)
+                return
+        if not self._event_tokens.take_now():
+            self.counts.events_dropped += 1
+            if not self._dropping:
+                log.warning("Events are rate limited (%d, then one per %.0f s): not recording %s %s and others "
+                            "like it for now (gpu_agent_api_events_dropped_total counts them)", EVENT_BURST,
+                            EVENT_REFILL_S, reason, message[:80])
+            self._dropping = True
+            return
+        self._dropping = False
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{self.node_name}.", "namespace": "default"},
@@ -300,12 +190,18 @@ class NodeApi:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         self.writes += 1
-        await self._request("POST", "/api/v1/namespaces/default/events", body)
+        created = await self._request("POST", "/api/v1/namespaces/default/events", body)
+        name = str(((created or {}).get("metadata") or {}).get("name") or "")
+        if name:
+            self._events[key] = _Recorded(name, 1, clock)
+            while len(self._events) > EVENT_CACHE:
+                del self._events[next(iter(self._events))]
 
 
-def _error(status: int, payload: bytes) -> ApiError:
-    try:
-        detail = json.loads(payload)
-        return ApiError(status, str(detail.get("reason", "")), str(detail.get("message", "")))
-    except ValueError:
-        return ApiError(status, "", payload.decode(errors="replace")[:200])
+@dataclass(frozen=True)
+class _Recorded:
+    """An Event this agent made: its name, its count, when it was last recorded (monotonic)."""
+
+    name: str
+    count: int
+    at: float

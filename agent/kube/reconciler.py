@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.kube.usage import ApiCounts, Backoff
 from agent.kube.view import Condition, NodeView, describe_error, is_conflict, is_expired
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.5
-BACKOFF_MAX_S = 30.0
+"""The first retry of a failed write waits 0.5 to 1 s; later ones back off (agent/kube/client.py Backoff)."""
+WATCH_LIVED_S = 30.0
+"""A watch that ends sooner than this (the server closed it at once, or it failed) counts as a failure."""
 CONDITION_TYPE = "GPUHealthy"
 EVENT_REASONS = {
     "fault": "GPUFault",
@@ -50,7 +52,7 @@ class NodeClient(Protocol):
     """What the reconciler needs of the API server: the agent's own Node only."""
 
     async def get(self) -> NodeView: ...
-    def watch(self, resource_version: str) -> AsyncIterator[NodeView]: ...
+    def watch(self, resource_version: str) -> AsyncIterator[NodeView | str]: ...
     async def patch_metadata(
         self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
     ) -> NodeView: ...
@@ -169,8 +171,11 @@ class NodeReconciler:
         intent: Callable[[NodeState], NodeIntent],
         owned: Callable[[str], bool],
         on_error: Callable[[], None] = lambda: None,
+        counts: ApiCounts | None = None,
     ) -> None:
         self._on_error = on_error
+        self._counts = counts or ApiCounts()
+        """Where watch restarts and relists are counted (the API client's, for /metrics)."""
         self._api = api
         self._bus = bus
         self._intent = intent
@@ -180,6 +185,8 @@ class NodeReconciler:
         self._emitted = 0
         self._shown = 0
         self._shown_changed = asyncio.Condition()
+        self._dirty = asyncio.Event()
+        """Set by each new view of the Node: converge with it."""
         self._dropped: tuple[str, ...] = ()
         """The labels last reported as left out."""
 
@@ -288,56 +295,109 @@ class NodeReconciler:
             self._emitted = incident.seq
 
     async def _follow_state(self) -> None:
+        """Converge whenever the state has a newer version or a new view of the Node came in; a failed converge
+        is retried with its own backoff, so that writes never hold up the watch, nor the watch the writes."""
         version = self._bus.current.version
         while True:
-            state = await self._bus.wait_newer(version)
-            version = state.version
+            newer = asyncio.ensure_future(self._bus.wait_newer(version))
+            seen = asyncio.ensure_future(self._dirty.wait())
+            try:
+                await asyncio.wait({newer, seen}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                newer.cancel()
+                seen.cancel()
+            self._dirty.clear()
+            version = self._bus.current.version
             await _retrying(self.converge, self._on_error)
 
     async def _seen(self, view: NodeView) -> None:
-        """Take a new view of the Node: feed its requests (MIG layout, named config) into the state, converge."""
+        """Take a new view of the Node: feed its requests (MIG layout, named config) into the state, and have
+        the Node converged."""
         self._node = view
         mig_request = view.labels.get(MIG_CONFIG_LABEL) or None
         config_request = view.labels.get(CONFIG_LABEL) or None
         state = self._bus.current
         if (mig_request, config_request) != (state.mig_request, state.config_request):
             await self._bus.update(mig_request=mig_request, config_request=config_request)
-        await self.converge()
+        self._dirty.set()
 
     async def _follow_node(self) -> None:
-        """List, converge, then watch and converge on each change; returns when the watch ends."""
-        await self._seen(await self._api.get())
-        assert self._node is not None
-        try:
-            async for view in self._api.watch(self._node.resource_version):
-                await self._seen(view)
-        except Exception as err:
-            if not is_expired(err):
+        """List, converge, then watch and converge on each change, as client-go's reflector does: each watch
+        resumes from the last version handled (bookmarks included), a list is made again only when the server
+        no longer has that version (410 Gone), and a watch that fails or ends within WATCH_LIVED_S counts as a
+        failure and waits out a jittered backoff, reset only by a watch that lived. One warning per episode of
+        failures, one line when it ends. Never returns."""
+        loop = asyncio.get_running_loop()
+        backoff = Backoff()
+        version: str | None = None
+        expired_in_a_row = 0
+        while True:
+            err: Exception | None = None
+            opened = loop.time()
+            try:
+                if version is None:
+                    view = await self._api.get()
+                    await self._seen(view)
+                    version = view.resource_version
+                async for item in self._api.watch(version):
+                    if isinstance(item, str):
+                        version = item  # a bookmark: nothing changed up to this version
+                        continue
+                    await self._seen(item)
+                    version = item.resource_version
+            except asyncio.CancelledError:
                 raise
-            log.info("node watch expired; listing again")
+            except Exception as caught:
+                err = caught
+            lived = loop.time() - opened >= WATCH_LIVED_S
+            if err is not None and is_expired(err):
+                # The server no longer has the version (it restarted, or the watch was away too long): list
+                # again, at once the first time; a server that keeps answering 410 is a failure like any other.
+                version = None
+                self._counts.relists["nodes"] += 1
+                self._counts.watch_restarts[("nodes", "expired")] += 1
+                expired_in_a_row += 1
+                if expired_in_a_row == 1:
+                    log.info("node watch: the API server no longer has version; listing again")
+                    continue
+            else:
+                expired_in_a_row = 0
+            if err is None and lived:
+                # The server ended a watch that lived (its timeout): watch again from where it ended.
+                self._counts.watch_restarts[("nodes", "timeout")] += 1
+                if backoff.failures:
+                    log.info("node watch is back after %d failure(s)", backoff.failures)
+                backoff.succeeded()
+                continue
+            self._counts.watch_restarts[("nodes", "closed" if err is None else "error")] += 1
+            self._on_error()
+            delay = backoff.next_delay(err)
+            if backoff.failures == 1:
+                why = (f"ended after {loop.time() - opened:.1f}s" if err is None else
+                       f"failed ({describe_error(err)})")
+                log.warning("node watch %s; watching again in %.1fs, backing off while it fails", why, delay)
+            await asyncio.sleep(delay)
 
     async def run(self) -> None:
-        async def follow_node() -> None:
-            while True:
-                await _retrying(self._follow_node, self._on_error)
-
-        await asyncio.gather(follow_node(), self._follow_state())
+        await asyncio.gather(self._follow_node(), self._follow_state())
 
 
-async def _retrying(step: Callable[[], object], on_error: Callable[[], None]) -> None:
-    """Run one step until it succeeds, with exponential backoff and jitter between failures."""
-    backoff = BACKOFF_MIN_S
+async def _retrying(step: Callable[[], Awaitable[object]], on_error: Callable[[], None]) -> None:
+    """Run one step until it succeeds, with jittered exponential backoff between failures; one warning for the
+    first failure, one line when it succeeds after failing."""
+    backoff = Backoff(first_min=BACKOFF_MIN_S, first_max=2 * BACKOFF_MIN_S)
     while True:
         try:
-            result = step()
-            if asyncio.iscoroutine(result):
-                await result
+            await step()
+            if backoff.failures:
+                log.info("node update succeeded after %d failure(s)", backoff.failures)
             return
         except asyncio.CancelledError:
             raise
         except Exception as err:
             on_error()
-            delay = backoff * random.uniform(0.5, 1.5)
-            log.warning("node update failed (%s); retrying in %.1fs", describe_error(err), delay)
+            delay = backoff.next_delay(err)
+            if backoff.failures == 1:
+                log.warning("node update failed (%s); retrying in %.1fs, backing off while it fails",
+                            describe_error(err), delay)
             await asyncio.sleep(delay)
-            backoff = min(BACKOFF_MAX_S, backoff * 2)

@@ -22,7 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 import aiohttp
 
 from agent.config import TaintSettings
-from agent.kube.node import ApiError, CredentialsError
+from agent.kube.credentials import CredentialsError
+from agent.kube.node import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,9 @@ def is_expired(err: BaseException) -> bool:
 def describe_error(err: BaseException) -> str:
     status = _status(err)
     if status is not None:
-        return f"API server answered {status} {getattr(err, 'reason', '')}".rstrip()
+        said = f"API server answered {status} {getattr(err, 'reason', '')}".rstrip()
+        message = getattr(err, "message", "")
+        return f"{said}: {message}" if isinstance(message, str) and message else said
     if isinstance(err, asyncio.TimeoutError):
         return "API server timed out"
     return f"{type(err).__name__}: {err}"

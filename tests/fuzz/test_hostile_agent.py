@@ -159,3 +159,10 @@ async def test_a_plugin_socket_that_cannot_be_made_says_why(kubelet_dir: Path) -
     text = message(lines[-1])
     prefix = f"registration with the kubelet failed, retrying in 0.5s: cannot listen on {kubelet_dir}/gpu-agent-"
     assert text.startswith(prefix) and text.endswith(".sock: Read-only file system"), text
+
+
+def test_an_address_this_machine_does_not_have_blames_the_address_not_the_port(kubelet_dir: Path) -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never an address of this machine.
+    result = run_agent(kubelet_dir, "--metrics-address", "192.0.2.1")
+    assert one_line(result) == ("gpu-agent run: error: cannot serve metrics on 192.0.2.1:0: Cannot assign requested "
+                                "address (check --metrics-address)")

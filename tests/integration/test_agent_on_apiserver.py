@@ -363,3 +363,20 @@ async def test_mig_label_protocol_on_a_real_node(
         admin_core.patch_node(NODE, {"metadata": {
             "labels": {"nvidia.com/mig.config": None, "nvidia.com/mig.config.state": None},
             "annotations": {"nvidia.com/mig.config.state.reason": None}}})
+
+
+async def test_a_repeated_event_raises_the_count_of_the_one_recorded(apiserver: ApiServer,
+                                                                      admin_core: k8s.CoreV1Api) -> None:
+    """As the kubelet's recorder: the same reason and message again is one Event with a count, not two."""
+    api = await NodeApi.connect(apiserver.kubeconfig_path, NODE)
+    uid = admin_core.read_node(NODE).metadata.uid
+    try:
+        for _ in range(3):
+            await api.event("GPUWarning", "GPU GPU-x: XID 94 (repeat test)", "Warning", uid)
+        await api.event("GPUWarning", "GPU GPU-y: XID 94 (repeat test)", "Warning", uid)
+    finally:
+        await api.close()
+    listed = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.name={NODE}")
+    mine = sorted((e.message, e.count) for e in listed.items if "(repeat test)" in (e.message or ""))
+    assert mine == [("GPU GPU-x: XID 94 (repeat test)", 3), ("GPU GPU-y: XID 94 (repeat test)", 1)]
+    assert dict(api.counts.requests) == {("post", "events", "201"): 2, ("patch", "events", "200"): 2}

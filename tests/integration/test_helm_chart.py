@@ -460,6 +460,7 @@ def namespaces(docs: list[dict[str, Any]]) -> set[str | None]:
 
 CLUSTER_SCOPED = {
     "Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    "FlowSchema", "PriorityLevelConfiguration",
 }  # fmt: skip
 
 
@@ -497,6 +498,8 @@ def test_release_name_and_name_overrides(helm: Helm) -> None:
         ("ConfigMap", "gpu-node-agent", "edge-gpu-node-agent-config"),
         ("ConfigMap", "gpu-node-agent", "edge-gpu-node-agent-mig-layouts"),
         ("DaemonSet", "gpu-node-agent", "edge-gpu-node-agent"),
+        ("FlowSchema", None, "edge-gpu-node-agent"),
+        ("PriorityLevelConfiguration", None, "edge-gpu-node-agent"),
         ("Role", "gpu-node-agent", "edge-gpu-node-agent"),
         ("RoleBinding", "gpu-node-agent", "edge-gpu-node-agent"),
         ("ServiceAccount", "gpu-node-agent", "edge-gpu-node-agent"),
@@ -773,6 +776,8 @@ def test_helm_template_output_applies_to_the_api_server(
         "role.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
         "rolebinding.rbac.authorization.k8s.io/edge-gpu-node-agent serverside-applied",
         "daemonset.apps/edge-gpu-node-agent serverside-applied",
+        "flowschema.flowcontrol.apiserver.k8s.io/edge-gpu-node-agent serverside-applied",
+        "prioritylevelconfiguration.flowcontrol.apiserver.k8s.io/edge-gpu-node-agent serverside-applied",
         "validatingadmissionpolicy.admissionregistration.k8s.io/edge-gpu-node-agent-own-node serverside-applied",
         "validatingadmissionpolicybinding.admissionregistration.k8s.io/edge-gpu-node-agent-own-node serverside-applied",
     ]
@@ -928,3 +933,16 @@ def test_dra_objects_apply_to_the_api_server_and_hold_the_agent_to_its_nodes_sli
     assert (own.returncode, own.stdout, own.stderr) == (0, f"resourceslice.resource.k8s.io/probe-{NODE} created "
                                                            "(server dry run)\n", "")  # fmt: skip
     assert ok(agent("auth", "can-i", "get", "resourceclaims.resource.k8s.io", "-n", "default")) == "yes\n"
+
+
+def test_flow_control_objects_are_switchable(helm: Helm) -> None:
+    kinds = {doc["kind"] for doc in helm.render({"flowControl": {"enabled": False}})}
+    assert not kinds & {"FlowSchema", "PriorityLevelConfiguration"}
+    docs = helm.render({"flowControl": {"concurrencyShares": 40, "matchingPrecedence": 500}})
+    [level] = [doc for doc in docs if doc["kind"] == "PriorityLevelConfiguration"]
+    [schema] = [doc for doc in docs if doc["kind"] == "FlowSchema"]
+    assert level["spec"]["limited"]["nominalConcurrencyShares"] == 40
+    assert schema["spec"]["matchingPrecedence"] == 500
+    assert schema["spec"]["priorityLevelConfiguration"] == {"name": "gpu-node-agent"}
+    assert schema["spec"]["rules"][0]["subjects"] == [
+        {"kind": "ServiceAccount", "serviceAccount": {"name": "gpu-node-agent", "namespace": "gpu-node-agent"}}]

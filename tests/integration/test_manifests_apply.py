@@ -39,6 +39,8 @@ RENDERED = [
     ("ValidatingAdmissionPolicy", None, "gpu-node-agent-own-node"),
     ("ValidatingAdmissionPolicyBinding", None, "gpu-node-agent-own-node"),
     ("DaemonSet", NAMESPACE, "gpu-node-agent"),
+    ("FlowSchema", None, "gpu-node-agent"),
+    ("PriorityLevelConfiguration", None, "gpu-node-agent"),
 ]
 # The same objects as kubectl names them in apply output, in the same order.
 APPLIED = [
@@ -53,6 +55,8 @@ APPLIED = [
     "validatingadmissionpolicy.admissionregistration.k8s.io/gpu-node-agent-own-node",
     "validatingadmissionpolicybinding.admissionregistration.k8s.io/gpu-node-agent-own-node",
     "daemonset.apps/gpu-node-agent",
+    "flowschema.flowcontrol.apiserver.k8s.io/gpu-node-agent",
+    "prioritylevelconfiguration.flowcontrol.apiserver.k8s.io/gpu-node-agent",
 ]
 
 
@@ -286,3 +290,17 @@ def test_patch_content_types_with_the_agent_token(agent: User, node_restored: No
     assert (current.returncode, current.stdout) == (0, f"node/{NODE} patched\n"), current.stderr
     labels = json.loads(ok(agent("get", "node", NODE, "-o", "jsonpath={.metadata.labels}")))
     assert labels["gpu-node-agent.io/m"] == "2"
+
+
+def test_the_agents_requests_are_classified_by_their_own_flow_schema(agent: User, admin: User) -> None:
+    """API Priority and Fairness names the FlowSchema and priority level of each request in its answer's headers:
+    the agent's go to the base's gpu-node-agent level, not to the cluster's default for service accounts."""
+    uids = {kind: ok(admin("get", kind, "gpu-node-agent", "-o", "jsonpath={.metadata.uid}"))
+            for kind in ("flowschema", "prioritylevelconfiguration")}
+    answered = agent("get", "--raw", f"/api/v1/nodes/{NODE}", "-v=8")
+    assert answered.returncode == 0, answered.stderr
+    headers = {k.strip().lower(): v.strip() for k, _, v in
+               (line.split("] ", 1)[-1].partition(": ") for line in answered.stderr.splitlines())
+               if k.strip().lower().startswith("x-kubernetes-pf-")}
+    assert headers == {"x-kubernetes-pf-flowschema-uid": uids["flowschema"],
+                       "x-kubernetes-pf-prioritylevel-uid": uids["prioritylevelconfiguration"]}

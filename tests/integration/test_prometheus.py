@@ -77,11 +77,13 @@ class Node:
         return [g.uuid for g in self.agent.bus.current.inventory.gpus]
 
 
-class UnreachableApiServer(InMemoryNode):
-    """A Node the agent cannot read: every request fails as an API server outage does."""
+class ForgetfulApiServer(InMemoryNode):
+    """A Node the agent can read but never watch: every watch is refused as expired (410 Gone), as by an API
+    server that keeps no history. The agent lists again, backs off once it keeps happening, and counts both."""
 
-    async def get(self) -> NodeView:
-        raise ApiError(503, "ServiceUnavailable", "the API server is down")
+    async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
+        raise ApiError(410, "Expired", f"too old resource version: {resource_version}")
+        yield  # an async generator, as the real watch is
 
 
 SCRAPED_S = 45.0
@@ -118,7 +120,7 @@ async def cluster() -> AsyncIterator[Rig]:
     """gpu-node-1: a DGX H100 registered with its kubelet, with PodResources; gpu-node-2: an H200 whose kubelet
     never answers the device plugin (the agent is not ready) and whose MIG label asks for a layout while a pod
     holds its GPU (the apply fails); gpu-node-3: an H200 whose only GPU was off the bus at start (nothing to
-    advertise) and whose API server does not answer."""
+    advertise) and whose API server refuses every watch as expired."""
     directory = short_dir()
     other, third = directory / "other", directory / "third"
     fake2 = FakeNvml(load_node("single-h200"))
@@ -132,7 +134,7 @@ async def cluster() -> AsyncIterator[Rig]:
         server.add_insecure_port(f"unix://{where}/pr/pr.sock")
         await server.start()
         servers.append(server)
-    third.mkdir()
+    (third / "pr").mkdir(parents=True)  # its kubelet has not made its PodResources socket
     fake3 = FakeNvml(load_node("single-h200"))
     fake3.set_gpu_lost(0)
     node2 = InMemoryNode("gpu-node-2")
@@ -144,8 +146,7 @@ async def cluster() -> AsyncIterator[Rig]:
         ):
             await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
             async with running_agent("single-h200", agent_config(third), fake=fake3, kubelet_first=False,
-                                     kube=UnreachableApiServer("gpu-node-3"), metrics_port=0, directory=third,
-                                     await_node=False) as three:
+                                     kube=ForgetfulApiServer("gpu-node-3"), metrics_port=0, directory=third) as three:
                 yield Rig(Node(one.agent, one.fake), Node(two.agent, fake2), Node(three.agent, fake3), lister, one,
                           directory)
     finally:
@@ -266,6 +267,7 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert where["GPUKubeletRegistrationsFlapping"] == ["gpu-node-1"]
             assert where["GPUAgentAdvertisesNothing"] == ["gpu-node-3"]
             assert where["GPUAgentAPIErrors"] == ["gpu-node-3"]
+            assert where["GPUAgentRelistStorm"] == ["gpu-node-3"]
 
             # The PromQL in docs/metrics.md is valid (Prometheus would answer an error otherwise).
             blocks = re.findall(r"```promql\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(), re.S)
@@ -327,7 +329,7 @@ async def test_promtool_checks_the_agents_exposition() -> None:
 def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
     check = promtool("check", "rules", str(RULES))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 18 rules found" in check.stdout
+    assert "SUCCESS: 19 rules found" in check.stdout
     tested = promtool("test", "rules", str(RULE_TESTS))
     assert tested.returncode == 0, tested.stdout + tested.stderr
 

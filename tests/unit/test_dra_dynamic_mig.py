@@ -357,7 +357,7 @@ async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path
                               make=functools.partial(DynamicSlicePublisher, dynamic=dynamic))
     assert isinstance(publisher, DynamicSlicePublisher)
     assert (publisher.node, publisher.driver, publisher.name, publisher.dynamic) == ("n", DRIVER, MAIN, dynamic)
-    assert isinstance(publisher._api, SliceApi) and publisher._api._credentials is kube._credentials
+    assert isinstance(publisher._api, SliceApi) and publisher._api.api is kube.api  # one client, one rate limit
     publisher._on_error()
     publisher._on_health_mode("taints")
     assert (errors, modes) == ([1], ["taints"])

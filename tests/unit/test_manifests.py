@@ -108,6 +108,8 @@ def test_the_base_holds_exactly_these_objects() -> None:
         ("RoleBinding", "gpu-node-agent"),
         ("ValidatingAdmissionPolicy", "gpu-node-agent-own-node"),
         ("ValidatingAdmissionPolicyBinding", "gpu-node-agent-own-node"),
+        ("PriorityLevelConfiguration", "gpu-node-agent"),
+        ("FlowSchema", "gpu-node-agent"),
         ("ConfigMap", "gpu-node-agent-config"),
         ("ConfigMap", "gpu-node-agent-mig-layouts"),
         ("DaemonSet", "gpu-node-agent"),

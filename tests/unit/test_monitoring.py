@@ -38,7 +38,7 @@ def test_the_rules_cover_what_operators_alert_on() -> None:
         "GPUEccUncorrectedErrors", "GPURowRemapFailure", "GPUThermalViolation", "GPUHighTemperature",
         "GPUPowerViolation", "GPULost", "GPUMemoryNearlyFull", "GPUIdleWhileHeld",
         "GPUUnhealthy", "GPUAgentNotReady", "GPUKubeletRegistrationsFlapping", "GPUAgentAdvertisesNothing",
-        "GPUAgentAPIErrors", "GPUMigReconfigurationFailed",
+        "GPUAgentAPIErrors", "GPUAgentRelistStorm", "GPUMigReconfigurationFailed",
     }
     for rule in by_name.values():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]

@@ -1,0 +1,137 @@
+"""The agent's credentials for the API server, read as kubectl reads them: a kubeconfig's current context (a
+token, a token file or a client certificate; a CA, or insecure-skip-tls-verify), or the pod's service account."""
+
+from __future__ import annotations
+
+import base64
+import os
+import ssl
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.yamlfile import InputFileError, YamlProblem, load_yaml, read_text_file
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class CredentialsError(ValueError):
+    """The kubeconfig or in-cluster credentials cannot be used; the message says which part and why."""
+
+
+TOKEN_MAX_BYTES = 64 * 1024
+"""A bearer token is a few kilobytes at most (a projected service-account token is about one)."""
+
+
+@dataclass
+class Credentials:
+    server: str
+    ssl: ssl.SSLContext
+    token: str | None = None
+    token_file: Path | None = None
+    """Read before each request: projected service-account tokens are rotated by the kubelet."""
+
+    def headers(self) -> dict[str, str]:
+        token = self.token
+        if self.token_file is not None:
+            try:
+                token = read_text_file(self.token_file, TOKEN_MAX_BYTES).strip()
+            except InputFileError as err:
+                raise CredentialsError(f"cannot read the token {self.token_file}: {err.reason}") from None
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _material(entry: Mapping[str, Any], key: str, base: Path) -> tuple[str | None, bytes | None]:
+    """A kubeconfig file reference (`key`, relative to the kubeconfig) or inline data (`key-data`, base64)."""
+    if entry.get(f"{key}-data"):
+        return None, base64.b64decode(entry[f"{key}-data"])
+    if entry.get(key):
+        path = Path(entry[key])
+        return str(path if path.is_absolute() else base / path), None
+    return None, None
+
+
+def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext:
+    """The TLS context for the API server: its CA, or (insecure-skip-tls-verify) no check of the server at all;
+    either way a context, so that a client certificate can still be presented."""
+    if insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    return ssl.create_default_context(cafile=ca_file, cadata=ca_data.decode() if ca_data else None)
+
+
+def _load_client_cert(context: ssl.SSLContext, cert: tuple[str | None, bytes | None],
+                      key: tuple[str | None, bytes | None]) -> None:
+    (cert_file, cert_data), (key_file, key_data) = cert, key
+    if not (cert_file or cert_data):
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu-agent-cert-") as tmp:
+        # The ssl module loads certificates from files only; inline data is written to a private temp dir.
+        if cert_data is not None:
+            cert_file = os.path.join(tmp, "cert.pem")
+            Path(cert_file).write_bytes(cert_data)
+        if key_data is not None:
+            key_file = os.path.join(tmp, "key.pem")
+            Path(key_file).write_bytes(key_data)
+        assert cert_file is not None
+        context.load_cert_chain(cert_file, key_file)
+
+
+def _named(config: dict[str, Any], section: str, name: object, path: Path) -> dict[str, Any]:
+    """The `section` entry (cluster, user, context) called `name` in a kubeconfig, or CredentialsError."""
+    entries = config.get(section + "s") or []
+    if not isinstance(entries, list):
+        raise CredentialsError(f"kubeconfig {path}: {section}s is not a list")
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            body = entry.get(section) or {}
+            if not isinstance(body, dict):
+                raise CredentialsError(f"kubeconfig {path}: {section} {name!r} is not a mapping")
+            return body
+    raise CredentialsError(f"kubeconfig {path}: no {section} named {name!r}")
+
+
+def from_kubeconfig(path: Path) -> Credentials:
+    """Server and credentials of the kubeconfig's current context: token, token file or client certificate."""
+    try:
+        config = load_yaml(read_text_file(path))
+    except InputFileError as err:
+        raise CredentialsError(f"cannot read kubeconfig {path}: {err.reason}") from None
+    except YamlProblem as err:
+        raise CredentialsError(f"kubeconfig {path}: {err}") from None
+    if not isinstance(config, dict):
+        raise CredentialsError(f"kubeconfig {path}: not a kubeconfig (expected a mapping)")
+    current = config.get("current-context")
+    if not current:
+        raise CredentialsError(f"kubeconfig {path}: no current-context (set one with kubectl config use-context)")
+    context = _named(config, "context", current, path)
+    cluster = _named(config, "cluster", context.get("cluster"), path)
+    user = _named(config, "user", context.get("user"), path) if context.get("user") else {}
+    if not cluster.get("server"):
+        raise CredentialsError(f"kubeconfig {path}: cluster {context.get('cluster')!r} has no server")
+    if "exec" in user or "auth-provider" in user:
+        raise CredentialsError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
+                               "use a token, a token file or a client certificate")
+    base = path.parent
+    ca_file, ca_data = _material(cluster, "certificate-authority", base)
+    context_ssl = _ssl_context(ca_file, ca_data, bool(cluster.get("insecure-skip-tls-verify")))
+    _load_client_cert(context_ssl, _material(user, "client-certificate", base), _material(user, "client-key", base))
+    # A relative tokenFile is relative to the kubeconfig, as kubectl reads it (and as the certificate paths are).
+    token_file = base / user["tokenFile"] if user.get("tokenFile") else None
+    return Credentials(str(cluster["server"]).rstrip("/"), context_ssl, user.get("token"), token_file)
+
+
+def in_cluster() -> Credentials:
+    """The pod's service account: the API server from the environment, the projected token and CA."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise CredentialsError("not running in a pod (KUBERNETES_SERVICE_HOST is not set); pass --kubeconfig")
+    ca = SERVICE_ACCOUNT / "ca.crt"
+    if not ca.exists():
+        raise CredentialsError(f"no service-account CA at {ca}")
+    server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    return Credentials(server, _ssl_context(str(ca), None, False), token_file=SERVICE_ACCOUNT / "token")

@@ -1,0 +1,111 @@
+"""The retry discipline and rate limit every API server loop of the agent uses, with a fake clock: how long each
+failure waits, what a Retry-After does, how a burst is paced; and the names requests are counted under."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from agent.kube.client import TokenBucket, api_error, resource_of
+from agent.kube.client import _verb as verb
+from agent.kube.usage import ApiError, Backoff
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def delays(backoff: Backoff, clock: Clock, errors: list[BaseException | None]) -> list[float]:
+    out = []
+    for err in errors:
+        delay = backoff.next_delay(err)
+        clock.now += delay
+        out.append(round(delay, 3))
+    return out
+
+
+def test_the_first_failure_is_spread_over_ten_seconds() -> None:
+    """A fleet whose watches all broke at once (an API server restart) must not come back at once."""
+    firsts = [Backoff(rng=random.Random(seed)).next_delay(ConnectionError()) for seed in range(200)]
+    assert min(firsts) >= 1.0 and max(firsts) <= 11.0
+    assert max(firsts) - min(firsts) >= 9.0  # spread over the whole range, not bunched
+
+
+def test_failures_the_server_does_not_answer_wait_at_most_twelve_and_a_half_seconds() -> None:
+    clock = Clock()
+    backoff = Backoff(rng=random.Random(1), clock=clock)
+    waited = delays(backoff, clock, [ConnectionError()] * 40)  # 40 refused connections: minutes of outage
+    assert max(waited[1:]) <= 12.5 and min(waited[2:]) >= 7.5
+
+
+def test_a_refusal_that_persists_is_asked_again_once_a_minute_after_two_minutes() -> None:
+    """Missing RBAC on a whole fleet: each agent asks six times a minute for two minutes (a restart's 403s pass
+    in seconds), then doubles to once a minute."""
+    clock = Clock()
+    backoff = Backoff(rng=random.Random(2), clock=clock)
+    forbidden = ApiError(403, "Forbidden", "nodes is forbidden")
+    waited = delays(backoff, clock, [forbidden] * 30)
+    elapsed = 0.0
+    for delay in waited:
+        if elapsed < 120:
+            assert delay <= 12.5
+        elif elapsed >= 240:
+            assert 45.0 <= delay <= 75.0
+        elapsed += delay
+    assert elapsed > 600  # the slow part was reached and checked
+
+
+def test_retry_after_is_a_floor_and_success_starts_over() -> None:
+    clock = Clock()
+    backoff = Backoff(rng=random.Random(3), clock=clock)
+    assert backoff.next_delay(ApiError(429, "TooManyRequests", "slow down", retry_after=40.0)) == 40.0
+    assert backoff.next_delay(ApiError(503, "ServiceUnavailable", "starting", retry_after=1.0)) >= 7.5
+    backoff.succeeded()
+    assert 1.0 <= backoff.next_delay(ConnectionError()) <= 11.0
+
+
+def test_an_answer_carries_its_retry_after_and_a_bounded_message() -> None:
+    err = api_error(429, b'{"kind":"Status","reason":"TooManyRequests","message":"too many requests"}', "7")
+    assert (err.status, err.reason, err.message, err.retry_after) == (429, "TooManyRequests", "too many requests",
+                                                                      7.0)
+    assert api_error(503, b"<html>", "soon").retry_after is None
+    assert api_error(429, b"{}", "99999").retry_after == 300.0
+    long = api_error(422, b'{"reason":"Invalid","message":"' + b"x" * 5000 + b'"}')
+    assert str(long) == "422 Invalid: " + "x" * 300 + "... (5000 characters)"
+
+
+async def test_a_burst_is_paced_to_the_rate() -> None:
+    loop = asyncio.get_running_loop()
+    bucket = TokenBucket(qps=50.0, burst=5)
+    started = loop.time()
+    waits = [await bucket.take() for _ in range(15)]
+    elapsed = loop.time() - started
+    assert waits[:5] == [0.0] * 5  # the burst
+    assert all(w > 0 for w in waits[5:])
+    assert elapsed == pytest.approx(10 / 50.0, abs=0.08)
+
+
+def test_a_rate_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="qps > 0 and burst >= 1, got qps 0, burst 10"):
+        TokenBucket(0, 10)
+
+
+@pytest.mark.parametrize(("method", "path", "counted"), [
+    ("GET", "/api/v1/nodes/gpu-node-1", ("get", "nodes")),
+    ("GET", "/api/v1/nodes?watch=true&fieldSelector=metadata.name%3Dn", ("list", "nodes")),
+    ("PATCH", "/api/v1/nodes/gpu-node-1/status", ("patch", "nodes/status")),
+    ("POST", "/api/v1/namespaces/default/events", ("post", "events")),
+    ("GET", "/api/v1/namespaces/gpu-node-agent/pods/agent-x", ("get", "pods")),
+    ("GET", "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3Dn", ("list", "resourceslices")),
+    ("PUT", "/apis/resource.k8s.io/v1/resourceslices/n-gpu", ("put", "resourceslices")),
+    ("GET", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c", ("get", "resourceclaims")),
+    ("GET", "/version", ("get", "version")),
+])
+def test_requests_are_counted_under_the_api_servers_names(method: str, path: str, counted: tuple[str, str]) -> None:
+    assert (verb(method, path), resource_of(path)) == counted
