@@ -17,20 +17,16 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agent.config import AgentConfig, ConfigError, config_file, load_config
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import DevicePluginServicer
-from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
-from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
-from agent.dra.publisher import PublisherClass, SlicePublisher, claim_reader, publisher_for
 from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache, plan, sharing_conflicts
 from agent.kube.reconciler import NodeClient, NodeIntent, NodeReconciler, TaintPolicy, node_intent
-from agent.kube.selfpod import check_reloaded
 from agent.kube.usage import ApiCollector, ApiCounts
 from agent.labels import node_labels, owned
 from agent.locks import DirectoryLock, Held
@@ -46,6 +42,10 @@ from agent.telemetry.collector import TelemetryCollector
 from agent.telemetry.exposition import renderer
 from agent.topology.prefer import Preferences
 from agent.yamlfile import FileProblems, InputFileError, read_text_file
+
+if TYPE_CHECKING:  # DRA mode and the API server's modules load only where the agent uses them
+    from agent.dra.plugin import DraKubeletPlugin
+    from agent.dra.publisher import SlicePublisher
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,10 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     dra = options.config.dra
     if not dra.enabled:
         return None
+    from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
+    from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
+    from agent.dra.publisher import PublisherClass, SlicePublisher, claim_reader, publisher_for
+
     metrics = footing.metrics
     paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root)
     dynamic: DynamicMig | None = None
@@ -518,9 +522,11 @@ class Agent:
             return await self._reject("\n".join(f"{path}: {line}" for line in str(err).splitlines()))
         if (start_only := start_only_changes(self.bus.current.config, new)) is not None:
             return await self._reject(f"{path}: {start_only}")
-        if new.health.taint != self.bus.current.config.health.taint and (
-                untolerated := await check_reloaded(self.options.kube, new.health.taint)) is not None:
-            return await self._reject(untolerated)
+        if new.health.taint != self.bus.current.config.health.taint:
+            from agent.kube.selfpod import check_reloaded
+
+            if (untolerated := await check_reloaded(self.options.kube, new.health.taint)) is not None:
+                return await self._reject(untolerated)
         for line in [*warnings, *new.without_effect]:
             log.warning("%s", line)
         self.metrics.config_in_force(new.without_effect)

@@ -347,6 +347,15 @@ def test_importing_the_pure_core_loads_neither_pynvml_nor_ctypes() -> None:
     assert "agent.state" in modules and "agent.nvml.records" in modules
 
 
+def test_simulate_and_the_agent_without_an_api_server_load_no_http_client() -> None:
+    """docs/architecture.md: --no-kube and `simulate` never load an HTTP client, nor DRA mode's parts."""
+    script = ("import sys\nimport agent.simulate, agent.daemon, agent.cli\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'kubernetes')\n"
+              "             or m in ('agent.kube.client', 'agent.kube.node', 'agent.dra.publisher', 'agent.dra.plugin')))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
 def test_the_catalogs_nvml_numbers_are_pynvmls() -> None:
     import pynvml
 
