@@ -349,9 +349,10 @@ def test_importing_the_pure_core_loads_neither_pynvml_nor_ctypes() -> None:
 
 def test_simulate_and_the_agent_without_an_api_server_load_no_http_client() -> None:
     """docs/architecture.md: --no-kube and `simulate` never load an HTTP client, nor DRA mode's parts."""
+    http = ("agent.kube.client", "agent.kube.node", "agent.dra.publisher", "agent.dra.plugin")
     script = ("import sys\nimport agent.simulate, agent.daemon, agent.cli\n"
               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'kubernetes')\n"
-              "             or m in ('agent.kube.client', 'agent.kube.node', 'agent.dra.publisher', 'agent.dra.plugin')))")
+              f"             or m in {http!r}))")
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
 
