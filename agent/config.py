@@ -6,14 +6,31 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from agent.yamlfile import InputFileError, YamlProblem, listing, load_yaml, read_text_file
+from agent.yamlfile import InputFileError, YamlProblem, clip, listing, load_yaml, read_text_file, shown
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri", "cdi")
 """How Allocate hands devices to the runtime; "cdi" is this agent's older name for "cdi-cri"."""
 TAINT_KEY = r"gpu-node-agent\.io/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 NVIDIA_PREFIX = "nvidia.com/"
+MIG_PREFIX = NVIDIA_PREFIX + "mig-"
+"""The names of MIG devices' resources (nvidia.com/mig-<profile>); no other kind of device is advertised there."""
+GPU_RESOURCE = NVIDIA_PREFIX + "gpu"
+"""Whole GPUs' resource unless resources.gpus names others (and MIG devices' under migStrategy single)."""
+MAX_SELECTOR = 96
+"""The longest text a sharing `devices` entry may be: NVML's GPU names and MIG UUIDs are shorter."""
 
 
 class ConfigError(ValueError):
@@ -28,6 +45,10 @@ def _drop_nulls(value: object) -> object:
 
 
 class _Strict(BaseModel):
+    """A config section: unknown keys refused, and (with StrictInt, StrictBool, StrictFloat on the fields) no
+    value converted from another type: "4", 2.0 and true are not whole numbers, 1 and "yes" are not booleans; a
+    whole number is a number of seconds."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     @model_validator(mode="before")
@@ -40,7 +61,7 @@ StrategyName = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri", 
 
 
 class PluginFlags(_Strict):
-    pass_device_specs: bool = Field(default=False, alias="passDeviceSpecs")
+    pass_device_specs: StrictBool = Field(default=False, alias="passDeviceSpecs")
     """Put the GPUs' device nodes (/dev/nvidiaN, nvidiactl, nvidia-uvm...) into each Allocate response."""
     device_list_strategy: tuple[StrategyName, ...] = Field(default=("envvar",), alias="deviceListStrategy")
     """How Allocate hands devices to the runtime: NVIDIA_VISIBLE_DEVICES, /dev/null mounts under
@@ -77,7 +98,7 @@ class PluginFlags(_Strict):
     @classmethod
     def _prefix(cls, value: str) -> str:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/", value):
-            raise ValueError(f"{value!r} is not an annotation key prefix (a DNS subdomain followed by '/')")
+            raise ValueError(f"{shown(value)} is not an annotation key prefix (a DNS subdomain followed by '/')")
         return value
 
     def strategies(self) -> frozenset[str]:
@@ -86,10 +107,10 @@ class PluginFlags(_Strict):
 
 
 class GfdFlags(_Strict):
-    oneshot: bool = False
-    no_timestamp: bool = Field(default=False, alias="noTimestamp")
+    oneshot: StrictBool = False
+    no_timestamp: StrictBool = Field(default=False, alias="noTimestamp")
     """Leave out nvidia.com/gfd.timestamp."""
-    sleep_interval: str | int | None = Field(default=None, alias="sleepInterval")
+    sleep_interval: str | StrictInt | None = Field(default=None, alias="sleepInterval")
     output_file: str | None = Field(default=None, alias="outputFile")
     machine_type_file: Path = Field(default=Path("/sys/class/dmi/id/product_name"), alias="machineTypeFile")
     """Where nvidia.com/gpu.machine is read from."""
@@ -98,17 +119,17 @@ class GfdFlags(_Strict):
 class Flags(_Strict):
     mig_strategy: Literal["none", "single", "mixed"] = Field(default="none", alias="migStrategy")
     """none: whole GPUs; single: MIG devices as nvidia.com/gpu; mixed: nvidia.com/mig-<profile> per profile."""
-    fail_on_init_error: bool = Field(default=True, alias="failOnInitError")
+    fail_on_init_error: StrictBool = Field(default=True, alias="failOnInitError")
     """false: when NVML cannot be initialised, serve nothing and stay up instead of exiting."""
     mps_root: Path = Field(default=Path("/run/nvidia/mps"), alias="mpsRoot")
     """Host directory for the MPS control daemons' pipe and log directories (one per shared GPU)."""
     nvidia_driver_root: Path = Field(default=Path("/"), alias="nvidiaDriverRoot")
     nvidia_dev_root: Path | None = Field(default=None, alias="nvidiaDevRoot")
     """Host root of the GPUs' device nodes in passed device specs; defaults to nvidiaDriverRoot."""
-    gdrcopy_enabled: bool = Field(default=False, alias="gdrcopyEnabled")
-    gds_enabled: bool = Field(default=False, alias="gdsEnabled")
-    mofed_enabled: bool = Field(default=False, alias="mofedEnabled")
-    use_node_feature_api: bool = Field(default=False, alias="useNodeFeatureAPI")
+    gdrcopy_enabled: StrictBool = Field(default=False, alias="gdrcopyEnabled")
+    gds_enabled: StrictBool = Field(default=False, alias="gdsEnabled")
+    mofed_enabled: StrictBool = Field(default=False, alias="mofedEnabled")
+    use_node_feature_api: StrictBool = Field(default=False, alias="useNodeFeatureAPI")
     device_discovery_strategy: Literal["auto", "nvml", "tegra"] = Field(default="auto",
                                                                         alias="deviceDiscoveryStrategy")
     plugin: PluginFlags = PluginFlags()
@@ -128,16 +149,16 @@ RESOURCE_NAME = r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61
 
 def _extended_resource(value: str) -> str:
     if not re.fullmatch(RESOURCE_NAME, value):
-        raise ValueError(f"{value!r} is not an extended resource name (vendor-domain/name)")
+        raise ValueError(f"{shown(value)} is not an extended resource name (vendor-domain/name)")
     if value.split("/", 1)[0].endswith("kubernetes.io"):
-        raise ValueError(f"{value!r} is in the reserved kubernetes.io domain")
+        raise ValueError(f"{shown(value)} is in the reserved kubernetes.io domain")
     return value
 
 
 class ReplicatedResource(_Strict):
     name: str
     """The resource whose devices are shared, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb."""
-    replicas: int = Field(ge=2, le=1024)
+    replicas: StrictInt = Field(ge=2, le=1024)
     rename: str | None = None
     """Advertise the replicas under this resource name instead."""
     devices: Literal["all"] | int | list[GpuSelector] = "all"
@@ -163,34 +184,53 @@ class ReplicatedResource(_Strict):
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             if value <= 0:
-                raise ValueError(f"a count of devices must be above 0, got {value}")
+                raise ValueError(f"a count of devices must be above 0, got {shown(value)}")
             return value
         if not isinstance(value, list) or not value:
             raise ValueError("must be 'all', a count, or a non-empty list of GPU indices, UUIDs or models")
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int | str) or item in ("", None):
-                raise ValueError(f"{item!r} is not a GPU index, UUID or model")
+                raise ValueError(f"{shown(item)} is not a GPU index, UUID or model")
+            if isinstance(item, str) and len(item) > MAX_SELECTOR:
+                raise ValueError(f"{shown(item)} is not a GPU index, UUID or model (those are at most "
+                                 f"{MAX_SELECTOR} characters)")
             if isinstance(item, int) and item < 0:
                 raise ValueError(f"GPU index {item} is negative")
         return value
 
 
 class ReplicatedResources(_Strict):
-    rename_by_default: bool = Field(default=False, alias="renameByDefault")
+    rename_by_default: StrictBool = Field(default=False, alias="renameByDefault")
     """Advertise replicas as <name>.shared unless an entry gives `rename`."""
-    fail_requests_greater_than_one: bool = Field(default=False, alias="failRequestsGreaterThanOne")
+    fail_requests_greater_than_one: StrictBool = Field(default=False, alias="failRequestsGreaterThanOne")
     resources: list[ReplicatedResource] = Field(default_factory=list)
 
 
+MAX_MPS_REPLICAS = 100
+"""MPS gives each client a whole percentage of the GPU's threads (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 100 //
+replicas), so more than 100 replicas would each get 0%."""
+
+
+class MpsResource(ReplicatedResource):
+    @field_validator("replicas")
+    @classmethod
+    def _whole_percent(cls, value: int) -> int:
+        if value > MAX_MPS_REPLICAS:
+            raise ValueError(f"got {value}; MPS gives each replica a whole percentage of the GPU's threads, so at "
+                             f"most {MAX_MPS_REPLICAS} replicas")
+        return value
+
+
 class MpsSharing(ReplicatedResources):
-    fail_requests_greater_than_one: bool = Field(default=True, alias="failRequestsGreaterThanOne")
+    fail_requests_greater_than_one: StrictBool = Field(default=True, alias="failRequestsGreaterThanOne")
     """On by default for MPS, as upstream: each request is one client's share of a GPU."""
+    resources: list[MpsResource] = Field(default_factory=list)  # type: ignore[assignment]
 
     @field_validator("resources")
     @classmethod
-    def _whole_gpus_only(cls, value: list[ReplicatedResource]) -> list[ReplicatedResource]:
+    def _whole_gpus_only(cls, value: list[MpsResource]) -> list[MpsResource]:
         for entry in value:
-            if entry.name != NVIDIA_PREFIX + "gpu":
+            if entry.name != GPU_RESOURCE:
                 raise ValueError(f"MPS shares whole GPUs only (nvidia.com/gpu), not {entry.name}")
         return value
 
@@ -246,13 +286,30 @@ class ResourcePattern(_Strict):
     @classmethod
     def _valid(cls, value: str) -> str:
         if len(value) > 63:
-            raise ValueError(f"{value!r} is longer than 63 characters")
+            raise ValueError(f"{shown(value)} is longer than 63 characters")
         if not re.fullmatch(r"nvidia\.com/[a-z0-9]([-a-z0-9.]*[a-z0-9])?", value):
-            raise ValueError(f"{value!r} is not a resource name under nvidia.com/ (lower case, digits, '-', '.')")
+            raise ValueError(f"{shown(value)} is not a resource name under nvidia.com/ (lower case, digits, '-', '.')")
         return value
 
     def matches(self, text: str) -> bool:
-        return re.fullmatch(".*".join(re.escape(part) for part in self.pattern.split("*")), text) is not None
+        """Whether the pattern matches the whole of `text`: '*' matches any run of characters (none too), every
+        other character itself (case counts). Matched left to right, going back only to the last '*', so it takes
+        at most len(pattern) * len(text) steps, however many stars there are."""
+        pattern = self.pattern
+        p = t = 0
+        star, resume = -1, 0
+        while t < len(text):
+            if p < len(pattern) and pattern[p] == "*":
+                star, resume = p, t
+                p += 1
+            elif p < len(pattern) and pattern[p] == text[t]:
+                p, t = p + 1, t + 1
+            elif star >= 0:
+                resume += 1
+                p, t = star + 1, resume
+            else:
+                return False
+        return pattern[p:].strip("*") == ""
 
 
 class Resources(_Strict):
@@ -263,14 +320,14 @@ class Resources(_Strict):
 
 
 class Imex(_Strict):
-    channel_ids: list[int] = Field(default_factory=list, alias="channelIDs")
-    required: bool = False
+    channel_ids: list[StrictInt] = Field(default_factory=list, alias="channelIDs")
+    required: StrictBool = False
 
     @field_validator("channel_ids")
     @classmethod
     def _only_zero(cls, value: list[int]) -> list[int]:
         if value not in ([], [0]):
-            raise ValueError(f"must be [] or [0], got {value}")
+            raise ValueError(f"must be [] or [0], got {shown(value)}")
         return value
 
 
@@ -303,7 +360,7 @@ class TaintSettings(_Strict):
     @classmethod
     def _own_domain(cls, value: str) -> str:
         if not re.fullmatch(TAINT_KEY, value):
-            raise ValueError(f"{value!r} is not a taint key under gpu-node-agent.io/ (the agent owns only those)")
+            raise ValueError(f"{shown(value)} is not a taint key under gpu-node-agent.io/ (the agent owns only those)")
         return value
 
 
@@ -313,10 +370,10 @@ class HealthSettings(_Strict):
     xid: dict[Annotated[int, Field(ge=1, le=1023)], Action] = Field(default_factory=lambda: dict(DEFAULT_XID_ACTIONS))
     """Per-XID actions; listed XIDs replace the defaults for those XIDs, the others keep theirs."""
     checks: CheckActions = CheckActions()
-    sample_interval_seconds: float = Field(default=5.0, ge=0.05, le=3600, alias="sampleIntervalSeconds")
-    recovery_checks: int = Field(default=3, ge=1, le=1000, alias="recoveryChecks")
+    sample_interval_seconds: StrictFloat = Field(default=5.0, ge=0.05, le=3600, alias="sampleIntervalSeconds")
+    recovery_checks: StrictInt = Field(default=3, ge=1, le=1000, alias="recoveryChecks")
     """Consecutive clean samples after the last fault before a GPU is healthy again."""
-    node_fatal_unhealthy_gpus: int = Field(default=0, ge=0, alias="nodeFatalUnhealthyGpus")
+    node_fatal_unhealthy_gpus: StrictInt = Field(default=0, ge=0, alias="nodeFatalUnhealthyGpus")
     """Taint the node when at least this many GPUs are unhealthy; 0 turns this off."""
     taint: TaintSettings = TaintSettings()
 
@@ -326,7 +383,7 @@ class HealthSettings(_Strict):
         if isinstance(value, dict):
             for key in value:
                 if isinstance(key, bool) or not isinstance(key, int):
-                    raise ValueError(f"XIDs are numbers 1..1023, got the key {key!r}")
+                    raise ValueError(f"XIDs are numbers 1..1023, got the key {shown(key)}")
         return value
 
     @field_validator("xid", mode="after")
@@ -339,9 +396,9 @@ class HealthSettings(_Strict):
 
 
 class TelemetrySettings(_Strict):
-    dcgm_metrics: bool = Field(default=True, alias="dcgmMetrics")
+    dcgm_metrics: StrictBool = Field(default=True, alias="dcgmMetrics")
     """Serve dcgm-exporter's default counters (DCGM_FI_*) on /metrics; off for clusters that keep dcgm-exporter."""
-    interval_seconds: float = Field(default=10.0, ge=1, le=3600, alias="intervalSeconds")
+    interval_seconds: StrictFloat = Field(default=10.0, ge=1, le=3600, alias="intervalSeconds")
     """How often NVML is read for them (and the kubelet asked which pods hold which devices); scrapes read the
     last pass."""
 
@@ -356,21 +413,21 @@ class MigSettings(_Strict):
     )
     busy_policy: Literal["fail", "wait"] = Field(default="fail", alias="busyPolicy")
     """When pods hold devices of a GPU to change: fail at once naming them, or wait for them to end."""
-    busy_wait_seconds: float = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
+    busy_wait_seconds: StrictFloat = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
 
 
 DRA_DRIVER_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
 
 
 class DraSettings(_Strict):
-    enabled: bool = False
+    enabled: StrictBool = False
     """DRA mode: publish the GPUs in a ResourceSlice (resource.k8s.io/v1) instead of registering the
     nvidia.com/gpu device plugin."""
     driver_name: str = Field(default="gpu.gpu-node-agent.io", alias="driverName")
     """The DRA driver name (a DNS subdomain): the slice's driver, the attributes' domain, the DeviceClass's."""
     cdi_root: Path = Field(default=Path("/var/run/cdi"), alias="cdiRoot")
     """Where the CDI specs of prepared claims are written (the container runtime's CDI spec directory)."""
-    dynamic_mig: bool = Field(default=False, alias="dynamicMig")
+    dynamic_mig: StrictBool = Field(default=False, alias="dynamicMig")
     """Publish every possible MIG placement of the GPUs in MIG mode (with shared counters, where the API server
     keeps them: DRAPartitionableDevices) and create each MIG device when a claim is prepared; the MIG manager
     then refuses nvidia.com/mig.config."""
@@ -379,7 +436,7 @@ class DraSettings(_Strict):
     @classmethod
     def _driver_name(cls, value: str) -> str:
         if len(value) > 63 or not re.fullmatch(DRA_DRIVER_NAME, value):
-            raise ValueError(f"{value!r} is not a DRA driver name (a lower-case DNS subdomain of at most 63 "
+            raise ValueError(f"{shown(value)} is not a DRA driver name (a lower-case DNS subdomain of at most 63 "
                              "characters with at least one dot, e.g. gpu.example.com)")
         return value
 
@@ -429,28 +486,25 @@ _TYPES = {"int_type": "a whole number", "int_parsing": "a whole number", "int_fr
           "bool_parsing": "true or false", "string_type": "text", "list_type": "a list", "dict_type": "a mapping",
           "model_type": "a mapping", "model_attributes_type": "a mapping", "path_type": "a path"}
 """pydantic's error types in the project's own words."""
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+_MAX_REASON = 200
+"""A message pydantic words itself is cut to this length (it may quote a value)."""
 
 
 def _reason(e: Any) -> str:
     kind, ctx = e["type"], e.get("ctx") or {}
     if kind in _LIMITS:
-        return f"got {_shown(e['input'])}; must be {_LIMITS[kind].format(**ctx)}"
+        return f"got {shown(e['input'])}; must be {_LIMITS[kind].format(**ctx)}"
     if kind in _TYPES:
-        return f"got {_shown(e['input'])}; must be {_TYPES[kind]}"
+        return f"got {shown(e['input'])}; must be {_TYPES[kind]}"
     if kind == "missing":
         return "required"
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "value_error":
-        return str(e["msg"]).removeprefix("Value error, ")
+        return clip(str(e["msg"]).removeprefix("Value error, "), _MAX_REASON)
     if kind == "literal_error":
-        return f"got {_shown(e['input'])}; " + str(e["msg"]).replace("Input should be", "expected")
-    return str(e["msg"])
+        return f"got {shown(e['input'])}; " + clip(str(e["msg"]).replace("Input should be", "expected"), _MAX_REASON)
+    return clip(str(e["msg"]), _MAX_REASON)
 
 
 def _format(err: ValidationError, origin: str) -> str:
@@ -466,7 +520,7 @@ def _format(err: ValidationError, origin: str) -> str:
             elif "[" in str(part) or str(part).startswith("function-"):
                 continue  # a union or validator branch pydantic names in the location: not a key
             else:
-                path += ("." if path else "") + str(part)
+                path += ("." if path else "") + clip(str(part))
         path = path or "(top level)"
         lines.append(f"{origin}: {path}: {reason}")
     return "\n".join(lines)
@@ -485,8 +539,51 @@ def parse_config(text: str, origin: str = "config") -> AgentConfig:
         config = AgentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format(err, origin)) from err
+    collisions = _name_collisions(config)
+    if collisions:
+        raise ConfigError("\n".join(f"{origin}: {path}: {reason}" for path, reason in collisions))
     config._without_effect = _keys_without_effect(data, origin)
     return config
+
+
+def _name_collisions(config: AgentConfig) -> list[tuple[str, str]]:
+    """(key path, reason) for each resource name the config gives to a second kind of device: one resource holds
+    whole GPUs, MIG devices or the replicas of one resource, never two of them (inventory.plan withholds what
+    only the node shows)."""
+    problems: list[tuple[str, str]] = []
+    gpus, mig = config.resources.gpus, config.resources.mig
+    whole = {p.name: f" (resources.gpus[{i}])" for i, p in reversed(list(enumerate(gpus)))} or {GPU_RESOURCE: ""}
+    """The names whole GPUs go to, each with the first entry that gives it."""
+    for i, p in enumerate(gpus):
+        if p.name.startswith(MIG_PREFIX):
+            problems.append((f"resources.gpus[{i}].name", f"{p.name} is under {MIG_PREFIX}, the names of MIG "
+                                                          "devices; whole GPUs need another name"))
+    if config.flags.mig_strategy == "mixed":
+        for i, p in enumerate(mig):
+            if p.name in whole:
+                problems.append((f"resources.mig[{i}].name", f"{p.name} is the name of whole GPUs{whole[p.name]}; "
+                                 "with migStrategy mixed MIG devices need a name of their own"))
+    path = "sharing.mps" if config.sharing.strategy == "mps" else "sharing.timeSlicing"
+    entries = config.sharing.replicated.resources
+    others = {
+        **{e.name: f"the name of another resource ({path}.resources[{j}].name)"
+           for j, e in reversed(list(enumerate(entries)))},
+        **{p.name: f"the name of MIG devices (resources.mig[{j}])" for j, p in reversed(list(enumerate(mig)))},
+        **{name: f"the name of whole GPUs{where}" for name, where in whole.items()},
+    }
+    """What each name the config gives a resource is, the first giving it named (whole GPUs before MIG devices
+    before sharing entries)."""
+    for i, e in enumerate(entries):
+        if e.rename is None or e.rename == e.name:
+            continue
+        where = f"{path}.resources[{i}].rename"
+        if e.rename.startswith(MIG_PREFIX) and not e.name.startswith(MIG_PREFIX):
+            problems.append((where, f"{e.rename} is under {MIG_PREFIX}, the names of MIG devices; replicas of "
+                                    f"{e.name} need another name"))
+        elif e.rename in others:
+            problems.append((where, f"{e.rename} is {others[e.rename]}; replicas of {e.name} need a name of their "
+                                    "own"))
+    return problems
 
 
 def _keys_without_effect(data: dict[str, object], origin: str) -> tuple[str, ...]:

@@ -8,11 +8,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agent.config import GPU_RESOURCE as GPU_RESOURCE
 from agent.config import AgentConfig, ReplicatedResource, ResourcePattern
 from agent.nvml.records import GpuInfo, MigDeviceInfo
 from agent.state import NodeState
 
-GPU_RESOURCE = "nvidia.com/gpu"
 REPLICA_SEPARATOR = "::"
 
 
@@ -52,7 +52,8 @@ class Resource:
 class ResourcePlan:
     resources: dict[str, Resource] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
-    """Why some GPUs are not advertised (for example a non-uniform node under migStrategy single)."""
+    """Why some GPUs or resources are not advertised (for example a non-uniform node under migStrategy single,
+    or a resource name that would hold two kinds of device)."""
     warnings: tuple[str, ...] = ()
     """Config entries that select nothing on this node (a sharing selector that matches no device)."""
 
@@ -232,24 +233,38 @@ def mps_shared_gpus(state: NodeState) -> list[tuple[GpuInfo, int]]:
     return [(gpus[unit.gpu_uuid], chosen[unit.id][0][1].replicas) for _, unit in units if unit.id in chosen]
 
 
+def _kind(unit: Device, name: str, target: str) -> tuple[str, str]:
+    """What kind of device `unit` (of resource `name`) puts into resource `target`, and that kind in words: a
+    whole GPU or a MIG device, shared or not, in its own resource; or the replicas of another resource."""
+    if target != name:
+        return f"replicas:{unit.kind}", f"replicas of {name}"
+    return unit.kind, "whole GPUs" if unit.kind == "gpu" else "MIG devices"
+
+
 def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
-    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely, and
-    MPS replicas of a GPU whose control daemon is not up are withheld."""
+    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely, MPS
+    replicas of a GPU whose control daemon is not up are withheld, and so is a resource the config would fill
+    with two kinds of device (whole GPUs, MIG devices, replicas of another resource: see _kind)."""
     config = config or state.config
     units, problems = _base_units(state, config)
     chosen, warnings = _assignments(state, config, units)
     sharing = config.sharing.replicated
     strategy = config.sharing.strategy
     devices: dict[str, list[Device]] = {}
+    kinds: dict[str, dict[str, str]] = {}
     shared_names: set[str] = set()
     waiting: list[str] = []
     for name, unit in units:
         hits = chosen.get(unit.id)
         if not hits:
+            kind, words = _kind(unit, name, name)
+            kinds.setdefault(name, {}).setdefault(kind, words)
             devices.setdefault(name, []).append(unit)
             continue
         entry = hits[0][1]
         target = entry.rename or (f"{name}.shared" if sharing.rename_by_default else name)
+        kind, words = _kind(unit, name, target)
+        kinds.setdefault(target, {}).setdefault(kind, words)
         shared_names.add(target)
         devices.setdefault(target, [])
         if strategy == "mps" and state.mps.get(unit.gpu_uuid) != "":
@@ -263,6 +278,12 @@ def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
         )
     if waiting:
         problems.append(f"MPS replicas withheld until the GPU's MPS control daemon is up: {'; '.join(waiting)}")
+    for name in sorted(kinds):
+        if len(kinds[name]) > 1:
+            del devices[name]
+            *first, last = kinds[name].values()
+            problems.append(f"{name} would hold {', '.join(first)} and {last}; a resource holds one kind of device, "
+                            "so it is not advertised")
     resources = {
         name: Resource(name, tuple(items),
                        sharing.fail_requests_greater_than_one and name in shared_names,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import reprlib
 import stat
 import tempfile
 from collections.abc import Hashable, Iterable
@@ -16,6 +17,19 @@ import yaml
 
 MAX_INT_BITS = 4000
 """Numbers in config and layout files are small; a larger one is refused rather than carried around."""
+
+MAX_ALIASES = 1000
+"""The most alias references (`*name`) one document may hold. The agent's files need none; the shipped layouts
+and NVIDIA's published config and mig-parted files use a few anchors at most."""
+
+MAX_ALIASED_VALUES = 100_000
+"""The most values the aliases of one document may stand for, counted with every alias expanded (an alias of a
+list of 9 values counts 10, an alias of a list of such aliases counts them all). A config, layout or node file
+that reuses a part by an alias counts tens; a few hundred bytes of nested aliases ("billion laughs") count
+hundreds of millions, and are refused before anything is built from them."""
+
+MAX_SHOWN = 60
+"""The most characters of one value of the user's input that an error message quotes."""
 
 
 class FileProblems(ValueError):
@@ -83,7 +97,24 @@ def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last."""
+    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last, and counts the
+    aliases it composes (refusing more than MAX_ALIASES), so that their expansion is measured before any value is
+    constructed (see _check_aliases)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases: list[tuple[yaml.Node, yaml.error.Mark]] = []
+        """Each alias composed so far: the node it refers to, and where the alias is."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        alias = self.check_event(yaml.AliasEvent)
+        event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the library's stubs
+        node = super().compose_node(parent, index)
+        if alias and node is not None:
+            if len(self.aliases) == MAX_ALIASES:
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases", event.start_mark)
+            self.aliases.append((node, event.start_mark))
+        return node
 
 
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -108,6 +139,43 @@ def listing(names: Iterable[str], limit: int = 40) -> str:
     return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
 
+def clip(text: str, limit: int = MAX_SHOWN) -> str:
+    """Text from the user's input (a key, a name, a message quoting one) for an error message: whole when it is
+    short, else its first `limit` characters, "..." and its length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class _ShortRepr(reprlib.Repr):
+    """repr() that looks at a few levels and items only, so its cost does not grow with the value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlong, self.maxother = 3, 6, MAX_SHOWN, MAX_SHOWN
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 10
+        self.maxstring = MAX_SHOWN
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}..."
+
+
+_SHORT = _ShortRepr()
+
+
+def shown(value: object) -> str:
+    """A value of the user's input as an error message quotes it: repr() when that is short, else the start of
+    it, "..." and its size, built without ever making the whole repr (a value can stand for millions)."""
+    if isinstance(value, str | bytes):
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return repr(value) if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]!r}... ({len(value)} {unit})"
+    text = _SHORT.repr(value)
+    cut = len(text) > MAX_SHOWN
+    if cut:
+        text = text[:MAX_SHOWN] + "..."
+    if isinstance(value, list | tuple | set | frozenset | dict) and (cut or len(value) > _SHORT.maxlist):
+        text += f" ({len(value)} items)"
+    return text
+
+
 def _too_large(data: Any) -> bool:
     pending, seen = [data], set()
     while pending:
@@ -121,10 +189,58 @@ def _too_large(data: Any) -> bool:
     return False
 
 
-def load_yaml(text: str) -> Any:
-    """The document in `text`; YamlProblem naming the line and column where the YAML library can."""
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _check_aliases(aliases: list[tuple[yaml.Node, yaml.error.Mark]]) -> None:
+    """Refuse a document whose aliases stand for more than MAX_ALIASED_VALUES values, or whose alias refers to a
+    value that contains it, from the composed nodes alone (each node is counted once, however many aliases reach
+    it), so that no expansion is ever built."""
+    sizes: dict[int, int] = {}
+    """Values under a node, itself included, with aliases expanded; by node id."""
+    total = 0
+    for target, mark in aliases:
+        stack: list[tuple[yaml.Node, bool]] = [(target, False)]
+        entered: set[int] = set()
+        while stack:
+            node, done = stack.pop()
+            if done:
+                sizes[id(node)] = 1 + sum(sizes[id(child)] for child in _children(node))
+                entered.discard(id(node))
+            elif id(node) in entered:
+                raise yaml.composer.ComposerError(None, None, "an alias refers to a value that contains it", mark)
+            elif id(node) not in sizes:
+                entered.add(id(node))
+                stack.append((node, True))
+                stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+        total += sizes[id(target)]
+        if total > MAX_ALIASED_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases expand to more than {MAX_ALIASED_VALUES} values", mark)
+
+
+def _parse(text: str) -> Any:
+    loader = _UniqueKeyLoader(text)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_aliases(loader.aliases)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def load_yaml(text: str) -> Any:
+    """The document in `text`; YamlProblem naming the line and column where the YAML library can. Aliases are
+    bounded (MAX_ALIASES, MAX_ALIASED_VALUES) before the document is built."""
+    try:
+        data = _parse(text)
     except RecursionError:
         raise YamlProblem("invalid YAML: nested too deeply") from None
     except yaml.MarkedYAMLError as err:

@@ -20,6 +20,7 @@ from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import MigOps, NvmlBackend
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
+from agent.yamlfile import clip
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class MigController:
         inventory = await self._nvml(self._backend.inventory)
         kind = {"success": "mig-success", "failed": "mig-failed", "rebooting": "mig-rebooting"}[result.outcome]
         log.log(logging.INFO if result.outcome == "success" else logging.ERROR, "MIG layout %s: %s: %s",
-                result.layout, result.outcome, result.reason)
+                clip(result.layout), result.outcome, result.reason)
         if self._metrics:
             self._metrics.mig_reconfigurations.labels(outcome=result.outcome).inc()
             self._metrics.mig_seconds.observe(asyncio.get_running_loop().time() - self._started)
@@ -117,7 +118,7 @@ class MigController:
     async def apply(self, name: str) -> MigStatus:
         state = self._bus.current
         self._settled = False
-        log.info("MIG layout %s requested", name)
+        log.info("MIG layout %s requested", clip(name))
         self._started = asyncio.get_running_loop().time()
         await self._bus.update(mig_status=MigStatus(name, "pending"))
         gpus = len(state.inventory.gpus)
@@ -176,7 +177,7 @@ class MigController:
                 handled, retries = state.mig_request, 0
                 if dynamic_mig(state):
                     self._settled = True
-                    log.error("MIG layout %s: %s", handled, DYNAMIC_MIG)
+                    log.error("MIG layout %s: %s", clip(handled), DYNAMIC_MIG)
                     await self._bus.update(mig_status=MigStatus(handled, "failed", DYNAMIC_MIG))
                     continue
                 await self.apply(handled)
@@ -188,7 +189,7 @@ class MigController:
             if status.state == "rebooting":
                 if await self._waits_for_reset(handled):
                     continue  # the label changed meanwhile
-                log.info("MIG layout %s: a GPU took its pending MIG mode; applying again", status.layout)
+                log.info("MIG layout %s: a GPU took its pending MIG mode; applying again", clip(status.layout))
             else:
                 if self._settled:
                     await self._bus.wait_newer(state.version)
@@ -207,7 +208,7 @@ class MigController:
                 except TimeoutError:
                     pass
                 retries += 1
-                log.warning("MIG layout %s failed; trying again (retry %d of %d)", status.layout, retries,
+                log.warning("MIG layout %s failed; trying again (retry %d of %d)", clip(status.layout), retries,
                             len(RETRY_DELAYS_S))
             if self._metrics:
                 self._metrics.mig_retries.labels(outcome=status.state).inc()

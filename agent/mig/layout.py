@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from agent.yamlfile import FileProblems, InputFileError, YamlProblem, listing, load_yaml, read_text_file
+from agent.yamlfile import FileProblems, InputFileError, YamlProblem, clip, listing, load_yaml, read_text_file, shown
 
 DEFAULT_LAYOUTS = "default-layouts.yaml"
 """The layout file shipped with the agent (package data of agent.mig)."""
@@ -73,7 +73,7 @@ def _attribute_problem(attribute: str, sign: str) -> str | None:
     if not attribute:
         return f"an attribute after '{sign}' is empty"
     if not _ATTRIBUTE_RE.fullmatch(attribute):
-        return f"attribute {attribute!r} must be letters and digits (dots inside), starting with a letter"
+        return f"attribute {shown(attribute)} must be letters and digits (dots inside), starting with a letter"
     return None
 
 
@@ -90,7 +90,7 @@ def parse_profile_name(text: str) -> ProfileName:
     if c > g:
         raise ValueError(f"a compute instance ({c}c) cannot be larger than its GPU instance ({g}g)")
     if match["c"] and c == g:
-        raise ValueError(f"write {text[len(match['c']) + 2:]}: a <C>c. prefix names a compute instance "
+        raise ValueError(f"write {clip(text[len(match['c']) + 2:])}: a <C>c. prefix names a compute instance "
                          "smaller than its GPU instance")
     suffix = match["suffix"] or ""
     attributes: tuple[str, ...] = ()
@@ -103,7 +103,7 @@ def parse_profile_name(text: str) -> ProfileName:
                 raise ValueError(problem)
         repeated = sorted({a for a in attributes if attributes.count(a) > 1})
         if repeated:
-            raise ValueError(f"attribute {repeated[0]!r} is listed twice")
+            raise ValueError(f"attribute {shown(repeated[0])} is listed twice")
     elif suffix.startswith("-"):
         without = suffix[1:]
         if "," in without:
@@ -214,7 +214,7 @@ class LayoutFile:
         try:
             return self.layouts[name]
         except KeyError:
-            raise LayoutError(self.origin, [("", f"no layout named {name!r} "
+            raise LayoutError(self.origin, [("", f"no layout named {shown(name)} "
                                                  f"(known: {listing(self.layouts)})")]) from None
 
 
@@ -246,7 +246,7 @@ class _EntryDoc(_Strict):
 def _join(path: str, part: int | str) -> str:
     if isinstance(part, int):
         return f"{path}[{part}]"
-    return f"{path}.{part}" if path else part
+    return f"{path}.{clip(part)}" if path else clip(part)
 
 
 def _key_path(prefix: str, loc: tuple[int | str, ...]) -> str:
@@ -268,16 +268,16 @@ def _describe(error: Any) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "literal_error":
-        return f"must be {error['ctx']['expected']}, got {value!r}"
+        return f"must be {error['ctx']['expected']}, got {shown(value)}"
     if loc and loc[-1] == "[key]":
-        return f"key must be a string, got {value!r} (quote it)"
+        return f"key must be a string, got {shown(value)} (quote it)"
     if kind == "bool_type":
-        return f"must be true or false, got {value!r}"
+        return f"must be true or false, got {shown(value)}"
     if kind == "list_type":
-        return f"must be a list, got {value!r}"
+        return f"must be a list, got {shown(value)}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"must be a mapping, got {value!r}"
-    return str(error["msg"])
+        return f"must be a mapping, got {shown(value)}"
+    return clip(str(error["msg"]), 200)
 
 
 def _pydantic_problems(err: ValidationError, prefix: str) -> list[tuple[str, str]]:
@@ -288,17 +288,17 @@ def _devices(value: Any, path: str, problems: list[tuple[str, str]]) -> tuple[in
     if value == "all":
         return None
     if isinstance(value, int) and not isinstance(value, bool):
-        problems.append((path, f"must be 'all' or a list of GPU indices; write [{value}] for one GPU"))
+        problems.append((path, f"must be 'all' or a list of GPU indices; write [{shown(value)}] for one GPU"))
         return None
     if not isinstance(value, list):
-        problems.append((path, f"must be 'all' or a list of GPU indices, got {value!r}"))
+        problems.append((path, f"must be 'all' or a list of GPU indices, got {shown(value)}"))
         return None
     if not value:
         problems.append((path, "must list at least one GPU index (or be 'all')"))
     indices: list[int] = []
     for i, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            problems.append((f"{path}[{i}]", f"GPU index must be an integer >= 0, got {item!r}"))
+            problems.append((f"{path}[{i}]", f"GPU index must be an integer >= 0, got {shown(item)}"))
         elif item in indices:
             problems.append((f"{path}[{i}]", f"GPU {item} is listed twice"))
         else:
@@ -320,8 +320,9 @@ def _filter_problem(text: str) -> str:
                 "or a model name")
     if text[:2].lower() == "0x":
         return (f"a PCI device id is 0x and 8 hex digits, device id then vendor id (e.g. 0x233010DE), "
-                f"got {text!r}")
-    return f"must be a PCI device id (e.g. 0x233010DE) or a GPU model name (e.g. H100 80GB HBM3), got {text!r}"
+                f"got {shown(text)}")
+    return (f"must be a PCI device id (e.g. 0x233010DE) or a GPU model name (e.g. H100 80GB HBM3), got "
+            f"{shown(text)}")
 
 
 def _device_filter(value: Any, path: str, problems: list[tuple[str, str]]) -> DeviceFilter | None:
@@ -335,14 +336,14 @@ def _device_filter(value: Any, path: str, problems: list[tuple[str, str]]) -> De
             problems.append((path, "must name at least one PCI device id or model"))
         items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
     else:
-        problems.append((path, f"must be a string or a list of strings, got {value!r}"))
+        problems.append((path, f"must be a string or a list of strings, got {shown(value)}"))
         return None
     ids: set[int] = set()
     names: set[str] = set()
     for item_path, item in items:
         if not isinstance(item, str):
             hint = " (quote it)" if isinstance(item, int) and not isinstance(item, bool) else ""
-            problems.append((item_path, f"must be a string, got {item!r}{hint}"))
+            problems.append((item_path, f"must be a string, got {shown(item)}{hint}"))
             continue
         parsed = _filter_item(item)
         if parsed is None:
@@ -367,11 +368,11 @@ def _mig_devices(value: Any, mig_enabled: Any, path: str, problems: list[tuple[s
         try:
             parse_profile_name(name)
         except ValueError as err:
-            problems.append((f"{path}.{name}", str(err)))
+            problems.append((_join(path, name), str(err)))
         if isinstance(count, bool) or not isinstance(count, int):
-            problems.append((f"{path}.{name}", f"count must be an integer, got {count!r}"))
+            problems.append((_join(path, name), f"count must be an integer, got {shown(count)}"))
         elif count < 0:
-            problems.append((f"{path}.{name}", f"count must be >= 0, got {count}"))
+            problems.append((_join(path, name), f"count must be >= 0, got {shown(count)}"))
     if len(problems) == before and value and not any(value.values()):
         problems.append((path, "all counts are 0; write mig-devices: {} for MIG enabled without instances"))
     return value
@@ -416,36 +417,36 @@ def _name_problem(name: str) -> str | None:
     if _LABEL_VALUE_RE.fullmatch(name):
         return None
     if "+" in name:
-        return f"layout names write '+' as '.' (e.g. {name.replace('+', '.')}): a name must be a label value"
+        return f"layout names write '+' as '.' (e.g. {clip(name.replace('+', '.'))}): a name must be a label value"
     return ("a layout name must be a label value: at most 63 letters, digits, '-', '_' or '.', "
             "starting and ending with a letter or digit")
 
 
 def _layouts(configs: Any, origin: str, problems: list[tuple[str, str]]) -> dict[str, MigLayout]:
     if not isinstance(configs, dict):
-        problems.append(("mig-configs", f"must be a mapping of layout names to entry lists, got {configs!r}"))
+        problems.append(("mig-configs", f"must be a mapping of layout names to entry lists, got {shown(configs)}"))
         return {}
     if not configs:
         problems.append(("mig-configs", "must have at least 1 layout"))
     layouts: dict[str, MigLayout] = {}
     for name, raw_entries in configs.items():
-        path = f"mig-configs.{name}"
+        path = _join("mig-configs", str(name))
         if not isinstance(name, str):
-            problems.append((path, f"layout name must be a string, got {name!r} (quote it)"))
+            problems.append((path, f"layout name must be a string, got {shown(name)} (quote it)"))
             continue
         before = len(problems)
         name_problem = _name_problem(name)
         if name_problem is not None:
             problems.append((path, name_problem))
         if not isinstance(raw_entries, list):
-            problems.append((path, f"must be a list of entries, got {raw_entries!r}"))
+            problems.append((path, f"must be a list of entries, got {shown(raw_entries)}"))
             continue
         if not raw_entries:
             problems.append((path, "must have at least 1 entry"))
         entries: list[LayoutEntry] = []
         for i, raw in enumerate(raw_entries):
             if not isinstance(raw, dict):
-                problems.append((f"{path}[{i}]", f"must be a mapping, got {raw!r}"))
+                problems.append((f"{path}[{i}]", f"must be a mapping, got {shown(raw)}"))
                 continue
             entry = _entry(raw, i, f"{path}[{i}]", problems)
             if entry is None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from agent.nvml import MockStateError
 from agent.nvml.fake_telemetry import TELEMETRY_FUNCTIONS, FakeTelemetry
 from agent.nvml.nodefile import GpuSpec, NodeSpec
-from agent.yamlfile import InputFileError, read_text_file
+from agent.yamlfile import InputFileError, clip, read_text_file, shown
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -242,14 +242,14 @@ class FakeState(FakeTelemetry):
             state = _State.model_validate(data)
         except ValidationError as err:
             first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+            where = ".".join(clip(str(part)) for part in first["loc"]) or "(top level)"
             raise MockStateError(f"mock state {path}: {where}: {first['msg'].lower()}; delete it to start the "
                                  "simulated node afresh") from None
         if state.node and state.node != self.spec.name:
-            raise MockStateError(f"mock state {path}: written for node {state.node!r}, not {self.spec.name!r}")
+            raise MockStateError(f"mock state {path}: written for node {shown(state.node)}, not {self.spec.name!r}")
         unknown = sorted(set(state.gpus) - set(self._by_uuid))
         if unknown:
-            raise MockStateError(f"mock state {path}: GPU {unknown[0]} is not a GPU of node {self.spec.name!r}")
+            raise MockStateError(f"mock state {path}: GPU {clip(unknown[0])} is not a GPU of node {self.spec.name!r}")
         return state
 
     def _sync(self) -> None:
@@ -257,6 +257,12 @@ class FakeState(FakeTelemetry):
         if self.state_file is None:
             return
         key = self._stat_key(self.state_file)
+        if key is None and self.state_problem is not None:
+            # The broken file was deleted, as its line advises: the simulated node starts afresh, its events
+            # numbered from 1 again as in the file the next change writes.
+            log.info("mock state %s: gone; the simulated node starts afresh", self.state_file)
+            self._state, self._file_key, self._seen_seq, self.state_problem = self._fresh_state(), None, 0, None
+            return
         if key is None or key == self._file_key:
             return
         try:

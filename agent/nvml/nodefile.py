@@ -16,7 +16,7 @@ import pynvml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agent.nvml.catalog import GpuModel, UnknownGpuModel, lookup
-from agent.yamlfile import FileProblems, InputFileError, YamlProblem, load_yaml, read_text_file
+from agent.yamlfile import FileProblems, InputFileError, YamlProblem, clip, load_yaml, read_text_file, shown
 
 PcieLevel = Literal["single", "multiple", "hostbridge", "node", "system"]
 PCIE_LEVELS: tuple[str, ...] = get_args(PcieLevel)
@@ -67,14 +67,14 @@ class _DriverDoc(_Strict):
     @classmethod
     def _driver_version(cls, value: str) -> str:
         if not _DRIVER_RE.fullmatch(value):
-            raise ValueError(f"must look like 570.133.20, got {value!r}")
+            raise ValueError(f"must look like 570.133.20, got {shown(value)}")
         return value
 
     @field_validator("cuda")
     @classmethod
     def _cuda_version(cls, value: str) -> str:
         if not _CUDA_RE.fullmatch(value):
-            raise ValueError(f"must look like 12.8, got {value!r}")
+            raise ValueError(f"must look like 12.8, got {shown(value)}")
         return value
 
 
@@ -89,8 +89,8 @@ class _GpuDoc(_Strict):
     def _known_model(cls, value: str) -> str:
         try:
             lookup(value)
-        except UnknownGpuModel as err:
-            raise ValueError(str(err)) from None
+        except UnknownGpuModel:
+            raise ValueError(str(UnknownGpuModel(clip(value)))) from None
         return value
 
     @field_validator("uuid")
@@ -98,7 +98,7 @@ class _GpuDoc(_Strict):
     def _uuid_form(cls, value: str | None) -> str | None:
         if value is not None and not _UUID_RE.fullmatch(value):
             raise ValueError(
-                f"must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx in lowercase hex, got {value!r}"
+                f"must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx in lowercase hex, got {shown(value)}"
             )
         return value
 
@@ -109,7 +109,7 @@ class _GpuDoc(_Strict):
             return None
         normalized = normalize_bus_id(value)
         if normalized is None:
-            raise ValueError(f"must look like 00000000:18:00.0, got {value!r}")
+            raise ValueError(f"must look like 00000000:18:00.0, got {shown(value)}")
         return normalized
 
 
@@ -146,7 +146,7 @@ class _NodeDoc(_Strict):
     @classmethod
     def _node_name(cls, value: str | None) -> str | None:
         if value is not None and not _NAME_RE.fullmatch(value):
-            raise ValueError(f"must be a lowercase DNS name such as gpu-node-1, got {value!r}")
+            raise ValueError(f"must be a lowercase DNS name such as gpu-node-1, got {shown(value)}")
         return value
 
 
@@ -247,7 +247,7 @@ def _key_path(loc: tuple[int | str, ...]) -> str:
         if isinstance(part, int):
             path += f"[{part}]"
         else:
-            path += f".{part}" if path else part
+            path += f".{clip(part)}" if path else clip(part)
     return path
 
 
@@ -264,29 +264,29 @@ def _describe(error: Any) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "literal_error":
-        return f"must be {ctx['expected']}, got {value!r}"
+        return f"must be {ctx['expected']}, got {shown(value)}"
     if kind in ("int_type", "int_parsing"):
-        return f"must be an integer, got {value!r}"
+        return f"must be an integer, got {shown(value)}"
     if kind == "bool_type":
-        return f"must be true or false, got {value!r}"
+        return f"must be true or false, got {shown(value)}"
     if kind == "string_type":
         hint = " (quote it)" if isinstance(value, int | float) else ""
-        return f"must be a string, got {value!r}{hint}"
+        return f"must be a string, got {shown(value)}{hint}"
     if kind == "list_type":
-        return f"must be a list, got {value!r}"
+        return f"must be a list, got {shown(value)}"
     if kind in ("model_type", "dict_type", "model_attributes_type"):
-        return f"must be a mapping, got {value!r}"
+        return f"must be a mapping, got {shown(value)}"
     if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']}, got {value!r}"
+        return f"must be >= {ctx['ge']}, got {shown(value)}"
     if kind == "less_than_equal":
-        return f"must be <= {ctx['le']}, got {value!r}"
+        return f"must be <= {ctx['le']}, got {shown(value)}"
     if kind == "too_short":
         return f"must have at least {_entries(ctx['min_length'])}, got {ctx['actual_length']}"
     if kind == "too_long":
         return f"must have at most {_entries(ctx['max_length'])}, got {ctx['actual_length']}"
     if kind == "value_error":
-        return str(ctx.get("error", error["msg"]))
-    return str(error["msg"])
+        return clip(str(ctx.get("error", error["msg"])), 400)
+    return clip(str(error["msg"]), 200)
 
 
 def _validation_problems(err: ValidationError) -> list[tuple[str, str]]:

@@ -252,6 +252,27 @@ async def test_a_mock_state_corrupted_under_a_running_agent_makes_it_unready_wit
         await wait_until(lambda: rig.agent.ready() == (True, "ok"), 15, "the agent ready again")
 
 
+async def test_deleting_a_broken_mock_state_as_its_line_advises_makes_the_agent_ready(tmp_path: Path) -> None:
+    from agent.nvml.fake import FakeNvml
+    from agent.nvml.nodefile import load_node
+
+    state = tmp_path / "nvml.json"
+    fake = FakeNvml(load_node("single-h200"), state)
+    fake.set_driver_loaded(True)
+    fake.inject_xid(0, 31)  # an application's XID: the event log has a record, the GPU stays healthy
+    async with running_agent("single-h200", fake=fake) as rig:
+        state.write_text("[]")
+        reason = (f"mock state {state}: not a fake NVML state file (no 'format' and 'gpus'); delete it to start "
+                  "the simulated node afresh")
+        await wait_until(lambda: rig.agent.ready() == (False, reason), 15, "the agent unready")
+        state.unlink()
+        await wait_until(lambda: rig.agent.ready() == (True, "ok"), 15, "the agent ready again")
+        assert rig.health() == ["Healthy"]
+        # The fresh node's events are seen too: another process writes the first one into a new file.
+        FakeNvml(load_node("single-h200"), state).inject_xid(0, 79)
+        await wait_until(lambda: rig.health() == ["Unhealthy"], 15, "GPU 0 unhealthy after XID 79")
+
+
 async def test_preferred_allocation_refuses_a_must_include_device_not_offered() -> None:
     async with running_agent("dgx-h100") as rig:
         ids = [d.ID for d in rig.devices()]

@@ -317,7 +317,10 @@ def mig_layout_of(fake: FakeNvml) -> tuple[object, ...]:
 
 
 def no_such_layout(value: str) -> str:
-    return f"built-in default-layouts.yaml: no layout named {value!r} (known: {', '.join(LAYOUT_NAMES)})"
+    """The reason a layout name no layout has gets: the name quoted whole up to 60 characters, else its start and
+    its length, so that a huge value makes a short reason."""
+    name = repr(value) if len(value) <= 60 else f"{value[:60]!r}... ({len(value)} characters)"
+    return f"built-in default-layouts.yaml: no layout named {name} (known: {', '.join(LAYOUT_NAMES)})"
 
 
 def at_most_1024(message: str) -> str:

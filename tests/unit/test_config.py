@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import DEFAULT_CONFIG, ConfigError, load_config, parse_config
+from agent.config import DEFAULT_CONFIG, ConfigError, ResourcePattern, load_config, parse_config
 
 
 def test_defaults() -> None:
@@ -113,3 +113,75 @@ def test_named_configs_in_a_directory(tmp_path: Path) -> None:
     )
     (tmp_path / "more").unlink()
     assert load_config(tmp_path).flags.plugin.device_id_strategy == "index"  # the only one
+
+
+@pytest.mark.parametrize(("pattern", "text", "matches"), [
+    ("*", "", True),
+    ("*", "NVIDIA H100 80GB HBM3", True),
+    ("NVIDIA*", "NVIDIA H100 80GB HBM3", True),
+    ("*HBM3", "NVIDIA H100 80GB HBM3", True),
+    ("*H100*", "NVIDIA H100 80GB HBM3", True),
+    ("*h100*", "NVIDIA H100 80GB HBM3", False),  # case counts
+    ("*H100", "NVIDIA H100 80GB HBM3", False),  # the whole name, not a part
+    ("1g.10gb", "1g.10gb+me", False),
+    ("1g.*", "1gx10gb", False),  # '.' is itself
+    ("[1]g*", "[1]g.5gb", True),  # so are brackets
+    ("1g.?gb", "1g.5gb", False),  # and '?'
+    ("a**b", "ab", True),
+    ("*a*b", "xaxbxb", True),
+    ("*a*b", "xaxbxa", False),
+    ("a*b*c", "abcbc", True),
+    ("*" * 60 + "z", "a" * 60, False),
+    ("*" * 60 + "a", "a" * 60, True),
+])
+def test_a_resource_pattern_matches_as_a_shell_wildcard(pattern: str, text: str, matches: bool) -> None:
+    assert ResourcePattern(pattern=pattern, name="gpu").matches(text) is matches
+
+
+def test_a_pattern_of_many_stars_is_matched_at_once() -> None:
+    # A regular expression of 40 '.*' took hours on this; the matcher takes a few thousand steps.
+    assert ResourcePattern(pattern="*" * 40 + "1g.*" + "*" * 40 + "0gc", name="gpu").matches("1g.10gb" * 4) is False
+
+
+def test_integers_and_booleans_are_not_converted_from_other_types() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: 1\n    resources:\n"
+                     "    - {name: gpu, replicas: '4'}\n    - {name: gpu, replicas: 4.0}\n"
+                     "health: {recoveryChecks: true, sampleIntervalSeconds: '5'}\n", "c")
+    assert str(caught.value).splitlines() == [
+        "c: sharing.timeSlicing.renameByDefault: got 1; must be true or false",
+        "c: sharing.timeSlicing.resources[0].replicas: got '4'; must be a whole number",
+        "c: sharing.timeSlicing.resources[1].replicas: got 4.0; must be a whole number",
+        "c: health.sampleIntervalSeconds: got '5'; must be a number",
+        "c: health.recoveryChecks: got True; must be a whole number",
+    ]
+    config = parse_config("version: v1\nhealth: {sampleIntervalSeconds: 2, recoveryChecks: 4}\n")
+    assert (config.health.sample_interval_seconds, config.health.recovery_checks) == (2, 4)
+
+
+def test_a_name_given_to_two_kinds_of_device_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("version: v1\nflags: {migStrategy: mixed}\nresources:\n"
+                     "  gpus:\n  - {pattern: '*H100*', name: h100}\n  - {pattern: '*', name: mig-other}\n"
+                     "  mig:\n  - {pattern: '*', name: h100}\nsharing:\n  timeSlicing:\n    resources:\n"
+                     "    - {name: h100, replicas: 2, rename: mig-shared}\n"
+                     "    - {name: mig-1g.10gb, replicas: 2, rename: mig-2g.20gb}\n"
+                     "    - {name: mig-2g.20gb, replicas: 2, rename: h100}\n", "c")
+    assert str(caught.value).splitlines() == [
+        "c: resources.gpus[1].name: nvidia.com/mig-other is under nvidia.com/mig-, the names of MIG devices; whole "
+        "GPUs need another name",
+        "c: resources.mig[0].name: nvidia.com/h100 is the name of whole GPUs (resources.gpus[0]); with migStrategy "
+        "mixed MIG devices need a name of their own",
+        "c: sharing.timeSlicing.resources[0].rename: nvidia.com/mig-shared is under nvidia.com/mig-, the names of MIG "
+        "devices; replicas of nvidia.com/h100 need another name",
+        "c: sharing.timeSlicing.resources[1].rename: nvidia.com/mig-2g.20gb is the name of another resource "
+        "(sharing.timeSlicing.resources[2].name); replicas of nvidia.com/mig-1g.10gb need a name of their own",
+        "c: sharing.timeSlicing.resources[2].rename: nvidia.com/h100 is the name of whole GPUs (resources.gpus[0]); "
+        "replicas of nvidia.com/mig-2g.20gb need a name of their own",
+    ]
+    # One kind of device under one name is no collision: MIG devices as nvidia.com/gpu under migStrategy single,
+    # replicas renamed to a name of their own, MIG profiles grouped by resources.mig.
+    parse_config("version: v1\nflags: {migStrategy: single}\nresources:\n  mig:\n  - {pattern: '*', name: gpu}\n")
+    parse_config("version: v1\nflags: {migStrategy: mixed}\nresources:\n  mig:\n  - {pattern: '*', name: mig-any}\n"
+                 "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2, rename: gpu-shared}\n"
+                 "    - {name: mig-any, replicas: 2, rename: mig-any.shared}\n")

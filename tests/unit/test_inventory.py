@@ -285,3 +285,22 @@ def test_nvidias_allocation_policy_flag_sets_the_policy_and_keys_without_effect_
         "config: flags.gfd.sleepInterval is accepted but has no effect: labels follow each change as it happens, "
         "not an interval",
     )
+
+
+def test_a_resource_that_would_hold_two_kinds_of_device_is_withheld_naming_both() -> None:
+    # Replicas of the 1g.10gb MIG device renamed into the 2g.20gb resource, beside GPU 0's own 2g.20gb device.
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                        "    - {name: mig-1g.10gb, replicas: 2, rename: mig-2g.20gb}\n", mig={0: MIXED_GPU0})
+    assert counts(state) == {"nvidia.com/gpu": 7, "nvidia.com/mig-3g.40gb": 1}
+    assert plan(state).problems == (
+        "nvidia.com/mig-2g.20gb would hold MIG devices and replicas of nvidia.com/mig-1g.10gb; a resource holds one "
+        "kind of device, so it is not advertised",)
+    # renameByDefault's <name>.shared taken by a resources.mig name.
+    state = node(config="version: v1\nflags:\n  migStrategy: mixed\nresources:\n  mig:\n"
+                        "  - {pattern: '1g.*', name: gpu.shared}\n  - {pattern: '*', name: mig-other}\n"
+                        "sharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n"
+                        "    - {name: gpu, replicas: 2, devices: [1]}\n", mig={0: MIXED_GPU0})
+    assert counts(state) == {"nvidia.com/gpu": 6, "nvidia.com/mig-other": 2}
+    assert plan(state).problems == (
+        "nvidia.com/gpu.shared would hold MIG devices and replicas of nvidia.com/gpu; a resource holds one kind of "
+        "device, so it is not advertised",)
