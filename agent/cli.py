@@ -18,6 +18,7 @@ from typing import Any
 from agent import logsink
 from agent.config import ConfigError, load_config
 from agent.nvml import MockStateError
+from agent.yamlfile import one_line
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -350,7 +351,7 @@ def cmd_mig(args: argparse.Namespace) -> int:
     try:
         layout = load_layouts(args.mig_config).layout(args.layout)
     except LayoutError as err:
-        raise CliError(str(err).replace("\n", "; ")) from err
+        raise CliError(one_line(str(err))) from err
     except OSError as err:
         raise CliError(f"cannot read {args.mig_config}: {err.strerror}") from err
     backend = _backend(args.nvml, args.mock_state)

@@ -19,7 +19,17 @@ from pydantic import (
     model_validator,
 )
 
-from agent.yamlfile import InputFileError, YamlProblem, clip, listing, load_yaml, read_text_file, shown
+from agent.yamlfile import (
+    InputFileError,
+    YamlProblem,
+    clip,
+    listing,
+    load_yaml,
+    printable,
+    problem_lines,
+    read_text_file,
+    shown,
+)
 
 DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri", "cdi")
 """How Allocate hands devices to the runtime; "cdi" is this agent's older name for "cdi-cri"."""
@@ -522,8 +532,8 @@ def _format(err: ValidationError, origin: str) -> str:
             else:
                 path += ("." if path else "") + clip(str(part))
         path = path or "(top level)"
-        lines.append(f"{origin}: {path}: {reason}")
-    return "\n".join(lines)
+        lines.append(printable(f"{origin}: {path}: {reason}"))
+    return problem_lines(lines)
 
 
 def parse_config(text: str, origin: str = "config") -> AgentConfig:
@@ -541,7 +551,7 @@ def parse_config(text: str, origin: str = "config") -> AgentConfig:
         raise ConfigError(_format(err, origin)) from err
     collisions = _name_collisions(config)
     if collisions:
-        raise ConfigError("\n".join(f"{origin}: {path}: {reason}" for path, reason in collisions))
+        raise ConfigError(problem_lines(printable(f"{origin}: {path}: {reason}") for path, reason in collisions))
     config._without_effect = _keys_without_effect(data, origin)
     return config
 

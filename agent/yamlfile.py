@@ -28,18 +28,63 @@ list of 9 values counts 10, an alias of a list of such aliases counts them all).
 that reuses a part by an alias counts tens; a few hundred bytes of nested aliases ("billion laughs") count
 hundreds of millions, and are refused before anything is built from them."""
 
+MAX_DEPTH = 64
+"""The deepest nesting of values a document may have: the agent's files nest a few levels (a config about 8),
+and a parse that goes on to Python's recursion limit costs most of a second before it fails."""
+
 MAX_SHOWN = 60
 """The most characters of one value of the user's input that an error message quotes."""
 
+MAX_PROBLEMS = 10
+"""The most problems of one file an error lists, one line each; a last line counts the rest."""
+
+
+def printable(text: str) -> str:
+    """`text` with every character that is not printable (a control character, a bidi override, a line
+    separator, a lone surrogate) written as its escape, so that a message quoting the user's input stays one
+    line that shows what it says."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def problem_lines(lines: Iterable[str]) -> str:
+    """One line per problem, at most MAX_PROBLEMS of them, then one line saying how many more there are: a file
+    with ten thousand mistakes is refused in a few lines, not ten thousand."""
+    shown_lines: list[str] = []
+    more = 0
+    for line in lines:
+        if len(shown_lines) < MAX_PROBLEMS:
+            shown_lines.append(line)
+        else:
+            more += 1
+    if more:
+        shown_lines.append(f"... and {more} more problem{'s' if more > 1 else ''}")
+    return "\n".join(shown_lines)
+
+
+def one_line(text: str, most: int = 2) -> str:
+    """An error of one or more lines (one per problem) as one line, for where a single line goes (a node
+    annotation, the `mig` command's refusal): its first `most` problems joined by "; ", then how many more."""
+    lines = [line for line in text.split("\n") if line and not line.startswith("... and ")]
+    more = len(lines) - most
+    counted = text.rsplit("\n... and ", 1)
+    if len(counted) == 2:  # problem_lines already left some out: count them too
+        more += int(counted[1].split()[0])
+    return "; ".join(lines[:most]) + (f"; and {more} more problem{'s' if more > 1 else ''}" if more > 0 else "")
+
 
 class FileProblems(ValueError):
-    """An input file that cannot be used: one line per problem, each naming the file, the key path and why."""
+    """An input file that cannot be used: one line per problem, each naming the file, the key path and why (at
+    most MAX_PROBLEMS lines, then a count of the rest)."""
 
     def __init__(self, origin: str, problems: Iterable[tuple[str, str]]) -> None:
         self.origin = origin
         self.problems = list(problems)
-        self.lines = [": ".join(part for part in (origin, path, reason) if part) for path, reason in self.problems]
-        super().__init__("\n".join(self.lines))
+        self.lines = [printable(": ".join(part for part in (origin, path, reason) if part))
+                      for path, reason in self.problems]
+        super().__init__(problem_lines(self.lines))
 
 
 class YamlProblem(ValueError):
@@ -54,8 +99,16 @@ class InputFileError(ValueError):
         super().__init__(f"{path}: {reason}")
 
 
-MAX_INPUT_BYTES = 8 * 1024 * 1024
-"""The largest config, layout, node, kubeconfig or mock state file the agent reads."""
+MAX_INPUT_BYTES = 64 * 1024
+"""The largest config, layout, node or kubeconfig file the agent reads: sixteen times NVIDIA's largest published
+MIG layout file, and small enough that reading any file up to it costs at most 20 MB of memory and 1 s of CPU
+(measured by bench/input_cost.py over a hostile corpus: YAML parsed in Python costs about 5 us and 100 bytes
+of memory per byte in the worst shapes)."""
+
+
+def size_text(size: int) -> str:
+    """A size limit as a message says it: 64 KiB, 1 MiB."""
+    return f"{size // (1024 * 1024)} MiB" if size % (1024 * 1024) == 0 else f"{size // 1024} KiB"
 
 
 def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
@@ -87,7 +140,7 @@ def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
     finally:
         os.close(fd)
     if size > max_bytes:
-        raise InputFileError(path, f"larger than {max_bytes // (1024 * 1024)} MiB; not read")
+        raise InputFileError(path, f"larger than {size_text(max_bytes)}; not read")
     data = b"".join(chunks)
     try:
         return data.decode("utf-8")
@@ -97,19 +150,27 @@ def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last, and counts the
-    aliases it composes (refusing more than MAX_ALIASES), so that their expansion is measured before any value is
-    constructed (see _check_aliases)."""
+    """A YAML loader that rejects a key repeated within one mapping, instead of keeping the last, refuses values
+    nested deeper than MAX_DEPTH, and counts the aliases it composes (refusing more than MAX_ALIASES), so that
+    their expansion is measured before any value is constructed (see _check_aliases)."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.aliases: list[tuple[yaml.Node, yaml.error.Mark]] = []
         """Each alias composed so far: the node it refers to, and where the alias is."""
+        self.depth = 0
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         alias = self.check_event(yaml.AliasEvent)
         event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in the library's stubs
-        node = super().compose_node(parent, index)
+        if self.depth == MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                                              event.start_mark)
+        self.depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
         if alias and node is not None:
             if len(self.aliases) == MAX_ALIASES:
                 raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases", event.start_mark)
@@ -141,8 +202,8 @@ def listing(names: Iterable[str], limit: int = 40) -> str:
 
 def clip(text: str, limit: int = MAX_SHOWN) -> str:
     """Text from the user's input (a key, a name, a message quoting one) for an error message: whole when it is
-    short, else its first `limit` characters, "..." and its length."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    short, else its first `limit` characters, "..." and its length; characters that are not printable escaped."""
+    return printable(text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)")
 
 
 class _ShortRepr(reprlib.Repr):

@@ -1,4 +1,5 @@
-"""Renders docs/benchmarks.md from bench/results.json; every number on the page comes from that file.
+"""Renders docs/benchmarks.md from bench/results.json, and from bench/fleet.json (bench/fleet.py) and
+bench/input_cost.json (bench/input_cost.py) where they exist; every number on the page comes from those files.
 
 Usage: python bench/report.py [bench/results.json] [docs/benchmarks.md]
 """
@@ -6,11 +7,14 @@ Usage: python bench/report.py [bench/results.json] [docs/benchmarks.md]
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+FLEET = ROOT / "bench" / "fleet.json"
+INPUT_COST = ROOT / "bench" / "input_cost.json"
 
 
 def _number(value: float, unit: str) -> str:
@@ -170,6 +174,75 @@ def _cluster(details: dict[str, Any]) -> list[str]:
         f"{series(c['pod_to_allocate']['running'])}.",
         "",
     ]
+
+
+def _fleet(fleet: dict[str, Any] | None) -> list[str]:
+    """The fleet section (bench/fleet.py), when bench/fleet.json exists."""
+    if not fleet:
+        return []
+    failed = sum(row["verdict"] == "fail" for row in fleet["figures"])
+    budgeted = sum(row["verdict"] in ("pass", "fail") for row in fleet["figures"])
+    verdict = f"All {budgeted} budgets met." if not failed else f"**{failed} of {budgeted} budgets missed.**"
+    lines = [
+        "## A fleet against one API server",
+        "",
+        f"`{fleet['generated_by']}` on {fleet['date']}, {fleet['duration_s']:.0f} s, {fleet['machine']['nproc']} "
+        f"CPUs. {verdict} N real `gpu-agent run` processes (fake NVML, each its own Node, ServiceAccount and "
+        "directories, no kubelet) against one real kube-apiserver and etcd on loopback; every request counted on "
+        "the API server's side, from its audit log of the agents' ServiceAccounts. What the figures mean for "
+        "a large cluster: [scale.md](scale.md).",
+        "",
+        *_figures(fleet),
+        "",
+    ]
+    for run in fleet["details"]:
+        versions = ", ".join(f"{name} {version}" for name, version in run["versions"].items())
+        lines += [f"**{run['mode']} mode, {run['agents']} agents** ({versions}; {run['duration_s']:.0f} s; audit "
+                  f"log {run['audit_log_bytes'] / 1e6:.1f} MB). Requests by verb, resource and answer code:", ""]
+        lines += ["| phase | requests | by verb, resource and code |", "|---|---:|---|"]
+        for phase in ("steady", "apiserver_restart", "agents_restart", "outage"):
+            tally = run[phase]
+            kinds = ", ".join(f"{kind}: {n}" for kind, n in tally["by_verb_resource_code"].items()) or "none"
+            lines.append(f"| {phase.replace('_', ' ')} ({tally['window_s']:.0f} s) | {tally['requests']} | {kinds} |")
+        lines.append("")
+    return lines
+
+
+def _input_cost(cost: dict[str, Any] | None) -> list[str]:
+    """The input-cost section (bench/input_cost.py), when bench/input_cost.json exists."""
+    if not cost:
+        return []
+    b, summary = cost["budget"], cost["summary"]
+    worst_rss = max(cost["cases"], key=lambda row: row["extra_rss_mb"])
+    worst_cpu = max(cost["cases"], key=lambda row: row["cpu_s"])
+    lines = [
+        "## Reading hostile input files",
+        "",
+        f"`bench/input_cost.py` over {summary['cases']} cases ({summary['duration_s']:.0f} s): every input file "
+        f"the agent reads (config, MIG layouts, node file, mock state, kubeconfig), read in-process and through "
+        f"the CLI that reads it, each case in a fresh process. Budget for any file up to its kind's size limit ("
+        f"{', '.join(f'{kind} {limit:,} bytes' for kind, limit in b['limits_bytes'].items())}): at most "
+        f"{b['extra_rss_mb']:g} MB of RSS and {b['cpu_s']:g} s of CPU above a normal read of a tiny "
+        f"valid file, and a refusal of {b['refusal']}. "
+        f"**{summary['over_budget']} case(s) over budget, {summary['not_one_line']} refusal(s) not one short "
+        f"line.** Most extra RSS: {worst_rss['extra_rss_mb']:.1f} MB ({worst_rss['case']} / "
+        f"{worst_rss['reader']}); most CPU: {worst_cpu['cpu_s']:.3f} s ({worst_cpu['case']} / "
+        f"{worst_cpu['reader']}).",
+        "",
+        "| case | reader | bytes | extra RSS | CPU | budget | one line | outcome |",
+        "|---|---|---:|---:|---:|---|---|---|",
+    ]
+    for row in cost["cases"]:
+        where = re.sub(r"/tmp/(input-cost|ic)-\w+/", "", row["outcome"])  # the benchmark's own directories
+        outcome = " ".join(where.split())[:90].replace("|", "\\|") or row["result"]
+        lines.append(f"| {row['case']} | {row['reader']} | {row['size_bytes']:,} | {row['extra_rss_mb']:.1f} MB | "
+                     f"{row['cpu_s']:.3f} s | {row['budget']} | {row['one_line']} | {outcome} |")
+    lines.append("")
+    return lines
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _sections(sections: dict[str, Any]) -> list[str]:
@@ -402,7 +475,8 @@ def _floor(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], fleet: dict[str, Any] | None = None,
+           input_cost: dict[str, Any] | None = None) -> str:
     m = results["machine"]
     failed = sum(row["verdict"] == "fail" for row in results["figures"])
     budgeted = sum(row["verdict"] in ("pass", "fail") for row in results["figures"])
@@ -413,7 +487,8 @@ def render(results: dict[str, Any]) -> str:
     lines = [
         "# Benchmarks",
         "",
-        "<!-- Generated by bench/report.py from bench/results.json (`make bench`); do not edit by hand. -->",
+        "<!-- Generated by bench/report.py from bench/results.json, bench/fleet.json and bench/input_cost.json "
+        "(`make bench`); do not edit by hand. -->",
         "",
         f"`{results['generated_by']}` ({results['mode']} run) on {results['date']}, {results['duration_s']:.0f} s: "
         f"{m['nproc']} CPUs ({m['cpu_model']}), {m['memory']} memory, load average {load} at start and "
@@ -446,6 +521,8 @@ def render(results: dict[str, Any]) -> str:
         *_apiserver(results["details"]),
         "",
         *_cluster(results["details"]),
+        *_fleet(fleet),
+        *_input_cost(input_cost),
         "## Wall clock and CPU time",
         "",
         "In ms per call, for the in-process series. CPU is the time the benchmark process (client and agent, "
@@ -472,10 +549,18 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write(target: Path | None = None) -> Path:
+    """Renders the page anew from the committed results: what fleet.py and input_cost.py call after writing."""
+    target = target or ROOT / "docs" / "benchmarks.md"
+    target.write_text(render(json.loads((ROOT / "bench" / "results.json").read_text()), load(FLEET),
+                             load(INPUT_COST)))
+    return target
+
+
 def main() -> int:
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench" / "results.json"
     target = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs" / "benchmarks.md"
-    target.write_text(render(json.loads(source.read_text())))
+    target.write_text(render(json.loads(source.read_text()), load(FLEET), load(INPUT_COST)))
     print(f"written to {target}")
     return 0
 

@@ -508,7 +508,8 @@ def main() -> int:
     written = str(args.out)
     if only is None:
         args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text(report.render(results))
+        args.doc.write_text(
+            report.render(results, report.load(report.FLEET), report.load(report.INPUT_COST)))
         written += f" and {args.doc}"
     failed = [f["figure"] for f in figures if f["verdict"] == "fail"]
     print(f"{len(figures)} figures, {len(failed)} over budget; written to {written} ({results['duration_s']:.0f} s)")

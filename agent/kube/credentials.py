@@ -4,6 +4,7 @@ token, a token file or a client certificate; a CA, or insecure-skip-tls-verify),
 from __future__ import annotations
 
 import base64
+import binascii
 import os
 import ssl
 import tempfile
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.yamlfile import InputFileError, YamlProblem, load_yaml, read_text_file
+from agent.yamlfile import InputFileError, YamlProblem, clip, load_yaml, read_text_file, shown
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -43,14 +44,30 @@ class Credentials:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _material(entry: Mapping[str, Any], key: str, base: Path) -> tuple[str | None, bytes | None]:
-    """A kubeconfig file reference (`key`, relative to the kubeconfig) or inline data (`key-data`, base64)."""
+def _material(entry: Mapping[str, Any], key: str, base: Path, where: str) -> tuple[str | None, bytes | None]:
+    """A kubeconfig file reference (`key`, relative to the kubeconfig) or inline data (`key-data`, base64);
+    CredentialsError naming `where` and the key when it is neither text nor base64."""
+    for name in (f"{key}-data", key):
+        if entry.get(name) and not isinstance(entry[name], str):
+            raise CredentialsError(f"{where}: {name} must be a string, got {shown(entry[name])}")
     if entry.get(f"{key}-data"):
-        return None, base64.b64decode(entry[f"{key}-data"])
+        try:
+            return None, base64.b64decode(entry[f"{key}-data"], validate=True)
+        except (binascii.Error, ValueError):
+            raise CredentialsError(f"{where}: {key}-data is not base64") from None
     if entry.get(key):
         path = Path(entry[key])
         return str(path if path.is_absolute() else base / path), None
     return None, None
+
+
+def _reason(err: Exception) -> str:
+    """What went wrong loading TLS material, in a few words: the OS's or OpenSSL's reason, not Python's repr."""
+    if isinstance(err, ssl.SSLError):
+        return "not PEM that OpenSSL accepts" + (f" ({err.reason})" if err.reason else "")
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror.lower()
+    return clip(" ".join(str(err).split()))
 
 
 def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext:
@@ -117,9 +134,21 @@ def from_kubeconfig(path: Path) -> Credentials:
         raise CredentialsError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
                                "use a token, a token file or a client certificate")
     base = path.parent
-    ca_file, ca_data = _material(cluster, "certificate-authority", base)
-    context_ssl = _ssl_context(ca_file, ca_data, bool(cluster.get("insecure-skip-tls-verify")))
-    _load_client_cert(context_ssl, _material(user, "client-certificate", base), _material(user, "client-key", base))
+    where = f"kubeconfig {path}: cluster {shown(context.get('cluster'))}"
+    ca_file, ca_data = _material(cluster, "certificate-authority", base, where)
+    try:
+        context_ssl = _ssl_context(ca_file, ca_data, bool(cluster.get("insecure-skip-tls-verify")))
+    except (ssl.SSLError, OSError, ValueError) as err:
+        raise CredentialsError(f"{where}: certificate authority {ca_file or '(certificate-authority-data)'}: "
+                               f"{_reason(err)}") from None
+    where = f"kubeconfig {path}: user {shown(context.get('user'))}"
+    cert = _material(user, "client-certificate", base, where)
+    key = _material(user, "client-key", base, where)
+    try:
+        _load_client_cert(context_ssl, cert, key)
+    except (ssl.SSLError, OSError, ValueError) as err:
+        raise CredentialsError(f"{where}: client certificate {cert[0] or '(client-certificate-data)'} and its key: "
+                               f"{_reason(err)}") from None
     # A relative tokenFile is relative to the kubeconfig, as kubectl reads it (and as the certificate paths are).
     token_file = base / user["tokenFile"] if user.get("tokenFile") else None
     return Credentials(str(cluster["server"]).rstrip("/"), context_ssl, user.get("token"), token_file)

@@ -20,7 +20,7 @@ from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import MigOps, NvmlBackend
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
-from agent.yamlfile import clip
+from agent.yamlfile import clip, one_line
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class MigController:
             layout = self._layout(state, name)
             plan = await self._nvml(lambda: plan_layout(self._ops, gpus, layout))
         except (LayoutError, OSError, PlanError) as err:
-            reason = str(err).replace("\n", "; ")
+            reason = one_line(str(err))
             self._settled = True  # the layouts file or the GPUs rule it out: trying again changes nothing
             await self._finish(ApplyResult(name, "failed", reason))
             return self._status()

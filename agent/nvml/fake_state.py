@@ -40,8 +40,9 @@ CRASH_EXIT_CODE = 137
 
 _EVENT_LOG_LIMIT = 256
 
-MAX_STATE_BYTES = 64 * 1024 * 1024
-"""The largest mock state file read (it grows with the events it keeps)."""
+MAX_STATE_BYTES = 256 * 1024
+"""The largest mock state file read: the state of 64 GPUs in MIG mode with the 256 events kept is a fraction of
+it, and reading any file up to it costs at most 20 MB of memory and 1 s of CPU (bench/input_cost.py)."""
 
 log = logging.getLogger("agent.nvml.fake")
 
@@ -235,6 +236,10 @@ class FakeState(FakeTelemetry):
         except json.JSONDecodeError as err:
             raise MockStateError(f"mock state {path}: not JSON ({err.msg} at line {err.lineno}, column "
                                  f"{err.colno}); delete it to start the simulated node afresh") from None
+        except (RecursionError, ValueError) as err:  # nested past the recursion limit; a number too long to read
+            why = "nested too deeply" if isinstance(err, RecursionError) else "a number too long to read"
+            raise MockStateError(f"mock state {path}: not a fake NVML state file ({why}); delete it to start the "
+                                 "simulated node afresh") from None
         if not isinstance(data, dict) or "format" not in data or "gpus" not in data:
             raise MockStateError(f"mock state {path}: not a fake NVML state file (no 'format' and 'gpus'); delete "
                                  "it to start the simulated node afresh")

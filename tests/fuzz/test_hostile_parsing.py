@@ -110,6 +110,110 @@ def test_an_alias_inside_its_own_anchor_is_refused(tmp_path: Path) -> None:
         "(line 7, column 26)")
 
 
+def test_nesting_past_sixty_four_levels_is_refused_where_it_starts(tmp_path: Path, kubelet_dir: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nflags:\n  migStrategy: " + "[" * 10_000 + "\n")
+    assert short_line(run_agent(kubelet_dir, "--config", str(config)), config) == (
+        f"gpu-agent run: error: {config}: invalid YAML: nested more than 64 levels deep (line 3, column 78)")
+    # Sixty-four levels are read (and refused for what they hold, not for their depth).
+    config.write_text("version: v1\nflags:\n  migStrategy: " + "[" * 62 + "]" * 62 + "\n")
+    assert short_line(run_agent(kubelet_dir, "--config", str(config)), config).startswith(
+        f"gpu-agent run: error: {config}: flags.migStrategy: got [[[[")
+
+
+# --- files of many problems, and characters that do not print -------------------------------------------
+
+
+def test_a_config_of_many_problems_lists_ten_and_counts_the_rest(tmp_path: Path, kubelet_dir: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nflags:\n" + "".join(f"  k{i:02d}: 1\n" for i in range(25)))
+    result = run_agent(kubelet_dir, "--config", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if " INFO agent." not in line]
+    assert lines == [f"gpu-agent run: error: {config}: flags.k00: unknown key",
+                     *(f"{config}: flags.k{i:02d}: unknown key" for i in range(1, 10)),
+                     "... and 15 more problems"]
+
+
+def test_a_layouts_file_of_many_problems_is_one_line_for_mig(tmp_path: Path) -> None:
+    layouts = tmp_path / "layouts.yaml"
+    layouts.write_text("version: v1\nmig-configs:\n" + "".join(f"  l{i:02d}: []\n" for i in range(30)))
+    result = gpu_agent("mig", "plan", "--nvml", "mock:single-h200", "--mig-config", str(layouts), "--layout", "l00")
+    assert short_line(result, layouts) == (
+        f"gpu-agent mig: error: {layouts}: mig-configs.l00: must have at least 1 entry; {layouts}: mig-configs.l01: "
+        "must have at least 1 entry; and 28 more problems")
+
+
+def test_a_key_that_does_not_print_is_quoted_by_its_escapes(tmp_path: Path, kubelet_dir: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nflags:\n  \u202eyek\u200b: 1\n", encoding="utf-8")
+    assert short_line(run_agent(kubelet_dir, "--config", str(config)), config) == (
+        f"gpu-agent run: error: {config}: flags.\\u202eyek\\u200b: unknown key")
+    layouts = tmp_path / "layouts.yaml"
+    layouts.write_text('version: v1\nmig-configs:\n  "l\\u202e0\\ud800": [{devices: all, mig-enabled: false}]\n',
+                       encoding="utf-8")
+    result = gpu_agent("mig", "plan", "--nvml", "mock:single-h200", "--mig-config", str(layouts), "--layout", "x")
+    line = short_line(result, layouts)
+    assert line.isprintable() and "mig-configs.l\\u202e0\\ud800: " in line, line
+
+
+# --- files larger than their limit ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["node", "layouts", "kubeconfig"])
+def test_a_file_over_sixty_four_kib_is_refused_by_its_size(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"{kind}.yaml"
+    path.write_text("version: v1\n#" + "x" * (64 * 1024 - 13) + "\n")
+    assert path.stat().st_size == 64 * 1024 + 1
+    command = {
+        "node": ("inspect", "--nvml", f"mock:{path}"),
+        "layouts": ("mig", "plan", "--nvml", "mock:single-h200", "--mig-config", str(path), "--layout", "x"),
+        "kubeconfig": ("run", "--nvml", "mock:single-h200", "--kubelet-dir", str(tmp_path), "--metrics-port", "0",
+                       "--node-name", "n", "--kubeconfig", str(path)),
+    }[kind]
+    line = short_line(gpu_agent(*command), path)
+    assert line.endswith(f"{path}: larger than 64 KiB; not read"), line
+
+
+KUBECONFIG = """apiVersion: v1
+current-context: ctx
+clusters:
+- {name: c, cluster: {server: "https://127.0.0.1:6443", CLUSTER}}
+users:
+- {name: u, user: {token: abc, USER}}
+contexts:
+- {name: ctx, context: {cluster: c, user: u}}
+"""
+
+
+@pytest.mark.parametrize(("cluster", "user", "reason"), [
+    ("certificate-authority-data: 'not base64!'", "x: 1", "cluster 'c': certificate-authority-data is not base64"),
+    ("certificate-authority-data: 7", "x: 1", "cluster 'c': certificate-authority-data must be a string, got 7"),
+    ("certificate-authority-data: aGVsbG8=", "x: 1",
+     "cluster 'c': certificate authority (certificate-authority-data): not PEM that OpenSSL accepts"),
+    ("certificate-authority: /nonexistent/ca.pem", "x: 1",
+     "cluster 'c': certificate authority /nonexistent/ca.pem: no such file or directory"),
+    ("insecure-skip-tls-verify: true", "client-certificate-data: aGVsbG8=, client-key-data: aGVsbG8=",
+     "user 'u': client certificate (client-certificate-data) and its key: not PEM that OpenSSL accepts"),
+])
+def test_a_kubeconfig_whose_tls_material_cannot_be_used_is_one_line(tmp_path: Path, kubelet_dir: Path, cluster: str,
+                                                                    user: str, reason: str) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG.replace("CLUSTER", cluster).replace("USER", user))
+    result = gpu_agent("run", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir), "--metrics-port", "0",
+                       "--node-name", "n", "--kubeconfig", str(kubeconfig), timeout=30)
+    assert short_line(result, kubeconfig) == (
+        f"gpu-agent run: error: cannot load API server credentials: kubeconfig {kubeconfig}: {reason}")
+
+
+def test_a_mock_state_holding_a_number_too_long_to_read_is_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "nvml.json"
+    state.write_text('{"format": 1, "gpus": {}, "next_seq": 1' + "0" * 5000 + "}\n")
+    assert short_line(gpu_agent("inspect", "--nvml", "mock:single-h200", "--mock-state", str(state)), state) == (
+        f"gpu-agent inspect: error: mock state {state}: not a fake NVML state file (a number too long to read); "
+        "delete it to start the simulated node afresh")
+
+
 # --- values too long to quote whole ----------------------------------------------------------------------
 
 
