@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench clean cluster cluster-down mutate
+.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench bench-fleet bench-input clean cluster cluster-down mutate
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,9 +64,19 @@ mutate: $(MUTATE_STAMP)
 	  n[m, "timeout"], n[m, "no tests"], n[m, "other"] }' | sort
 	@$(VENV)/bin/mutmut results
 
+# The agent's figures (bench/run.py), then what a fleet of 50 agents costs one API server (bench/fleet.py) and what
+# reading hostile input files costs (bench/input_cost.py); all three into docs/benchmarks.md.
 bench: $(STAMP)
 	$(PY) bench/allocator_bench.py
 	$(PY) bench/run.py
+	$(PY) bench/fleet.py
+	$(PY) bench/input_cost.py
+
+bench-fleet: $(STAMP)
+	$(PY) bench/fleet.py
+
+bench-input: $(STAMP)
+	$(PY) bench/input_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

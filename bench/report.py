@@ -33,7 +33,7 @@ def _budget(row: dict[str, Any]) -> str:
         return "—"
     if budget == "report":
         return "report"
-    op = {"<": "<", "<=": "≤", "==": "="}[budget["op"]]
+    op = {"<": "<", "<=": "≤", "==": "=", ">=": "≥"}[budget["op"]]
     return f"{op} {budget['limit']:g} {row['unit']}"
 
 
