@@ -48,6 +48,8 @@ class Format:
             return [(path, reason) for path, reason in err.problems]
         problems = []
         for line in str(err).splitlines():
+            if re.fullmatch(r"\.\.\. and \d+ more problems?", line):
+                continue
             assert line.startswith(f"{ORIGIN}: "), line
             path, _, reason = line.removeprefix(f"{ORIGIN}: ").partition(": ")
             problems.append((path, reason))
