@@ -162,6 +162,9 @@ class InMemoryNode:
     async def get(self) -> NodeView:
         return self._current
 
+    async def list(self) -> tuple[NodeView, str]:
+        return self._current, self._current.resource_version
+
     async def watch(self, resource_version: str) -> AsyncIterator[NodeView]:
         after = int(resource_version)
         while True:

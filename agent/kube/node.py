@@ -1,4 +1,4 @@
-"""The agent's own Node through the API server: get, watch with relist, patch owned parts, record Events; and a
+"""The agent's own Node through the API server: get, list and watch, patch owned parts, record Events; and a
 read of the agent's own Pod.
 
 A few REST calls over aiohttp rather than the generated kubernetes client: the agent makes six kinds of request
@@ -102,6 +102,19 @@ class NodeApi:
 
     async def get(self) -> NodeView:
         return node_view(await self._request("GET", self._node_path))
+
+    async def list(self) -> tuple[NodeView, str]:
+        """The Node by a LIST of nodes selected by name, and the list's resourceVersion: the version a watch
+        starts from. Not the Node's own version: an API server that has just restarted starts its watch cache
+        at the newest version in etcd, and a watch from an older one (the Node's, when the Node has not changed
+        since) is refused as expired until the Node changes again. A Node that is not there is ApiError 404."""
+        selector = quote(f"metadata.name={self.node_name}", safe="")
+        listed = await self._request("GET", f"/api/v1/nodes?fieldSelector={selector}")
+        items = listed.get("items") if isinstance(listed, dict) else None
+        if not items:
+            raise ApiError(404, "NotFound", f'nodes "{self.node_name}" not found')
+        view = node_view(items[0])
+        return view, str((listed.get("metadata") or {}).get("resourceVersion") or view.resource_version)
 
     async def get_pod(self, namespace: str, name: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
         """A Pod as the API server has it: the agent reads its own, to check its tolerations (agent/kube/selfpod.py)."""

@@ -52,6 +52,7 @@ class NodeClient(Protocol):
     """What the reconciler needs of the API server: the agent's own Node only."""
 
     async def get(self) -> NodeView: ...
+    async def list(self) -> tuple[NodeView, str]: ...
     def watch(self, resource_version: str) -> AsyncIterator[NodeView | str]: ...
     async def patch_metadata(
         self, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
@@ -336,9 +337,8 @@ class NodeReconciler:
             opened = loop.time()
             try:
                 if version is None:
-                    view = await self._api.get()
+                    view, version = await self._api.list()
                     await self._seen(view)
-                    version = view.resource_version
                 async for item in self._api.watch(version):
                     if isinstance(item, str):
                         version = item  # a bookmark: nothing changed up to this version
