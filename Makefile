@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit lint protos protos-check testbin kubelet-harness bench bench-fleet bench-input clean cluster cluster-down mutate
+.PHONY: demo test test-release unit lint protos protos-check testbin kubelet-harness bench bench-fleet bench-input clean cluster cluster-down mutate
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: $(STAMP)
 protos: $(STAMP)
 	hack/protos.sh
 
+# The Kubernetes release the rig, the kubelet harness's cluster and `make cluster` run: 1.35, 1.36 or 1.37
+# (make test KUBE=1.35); empty: the newest. Each release's binaries are kept apart under .cache/testbin/kube-<release>.
+KUBE ?=
+export KUBE
+
 testbin:
 	hack/testbin.sh
 
@@ -43,8 +48,14 @@ cluster-down:
 unit: $(STAMP)
 	$(VENV)/bin/pytest tests/unit -q
 
+# The whole suite on KUBE (default the newest), then, without KUBE, the tests marked `matrix` on the oldest release.
 test: $(STAMP)
 	hack/test.sh
+
+# Only the tests that depend on the release (marker `matrix`), on KUBE: make test-release KUBE=1.36.
+test-release: $(STAMP)
+	@test -n "$(KUBE)" || { echo "make test-release needs KUBE (e.g. KUBE=1.36)"; exit 2; }
+	hack/test.sh --matrix
 
 # Mutation testing of the pure core against its unit tests (docs/mutation.md). Results are kept in mutants/
 # and a second run only retests what changed; MUTANTS='agent.labels*' limits a run to matching mutants.

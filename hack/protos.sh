@@ -24,8 +24,9 @@ generate protos/dra/v1 agent/dra/v1 "kubelet DRA plugin API v1"
 generate protos/dra/v1beta1 agent/dra/v1beta1 "kubelet DRA plugin API v1beta1"
 generate protos/pluginregistration/v1 agent/dra/pluginregistration "kubelet plugin registration API v1"
 generate protos/dra-health/v1alpha1 agent/dra/health_v1alpha1 "kubelet DRA resource health API v1alpha1"
+generate protos/dra-health/v1 agent/dra/health_v1 "kubelet DRA resource health API v1"
 # The DRA stubs live inside agent/dra/, which lint checks: each generated file says it is exempt, and loses
 # the flake8-pyi codes ruff does not know.
-for f in "$out"/agent/dra/{v1,v1beta1,pluginregistration,health_v1alpha1}/api_pb2*.py*; do
+for f in "$out"/agent/dra/{v1,v1beta1,pluginregistration,health_v1alpha1,health_v1}/api_pb2*.py*; do
   printf '# ruff: noqa\n# mypy: ignore-errors\n%s\n' "$(sed -E 's/  # noqa: Y[0-9]+$//' "$f")" > "$f"
 done

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest.
+#
+# On the Kubernetes release KUBE (1.35, 1.36, 1.37; default the newest). Without KUBE it then runs the tests that
+# depend on the release (the pytest marker `matrix`) once more on the oldest supported release.
+#
+# usage: [KUBE=<release>] hack/test.sh            the whole suite (and, without KUBE, the oldest release's part)
+#        KUBE=<release> hack/test.sh --matrix     only the tests marked `matrix`, on that release
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo_root=$PWD
+# shellcheck source=hack/testbin/release.sh
+source hack/testbin/release.sh
 stage() {
   local name=$1; shift
   local t0=$SECONDS
@@ -9,6 +18,28 @@ stage() {
   "$@"
   echo "==> $name: $((SECONDS - t0))s"
 }
+release=$(kube_release)
+releases=$(cd hack/testbin/kube && for d in */go.mod; do echo "${d%/go.mod}"; done | sort -V)
+oldest=$(head -n1 <<<"$releases")
+
+# The tests that depend on the release, on `$1`: the rig's part, then the cluster's.
+matrix() {
+  local r=$1
+  stage "Kubernetes $r: test rig" env KUBE="$r" hack/testbin.sh
+  stage "Kubernetes $r: the tests that depend on the release (-m matrix)" env KUBE="$r" \
+    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q -m matrix --ignore=tests/e2e
+  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q -m matrix tests/e2e
+}
+
+if [[ ${1:-} == --matrix ]]; then
+  stage "lint (ruff, mypy --strict)" make --no-print-directory lint
+  stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
+  stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
+  matrix "$release"
+  exit 0
+fi
+
+echo "==> Kubernetes $release"
 stage "lint (ruff, mypy --strict)" make --no-print-directory lint
 if [ -x hack/testbin.sh ]; then stage "test rig (kube-apiserver, etcd, kubectl, kubelet, kube-scheduler, kube-controller-manager)" hack/testbin.sh; fi
 if [ -x hack/helm.sh ]; then stage "helm (for the chart tests)" hack/helm.sh; fi
@@ -19,3 +50,7 @@ stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cl
 # The fuzz tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
 stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --ignore=tests/e2e
 stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q tests/e2e
+if [[ -z ${KUBE:-} && $oldest != "$release" ]]; then
+  echo "==> Kubernetes $oldest (the oldest supported release): the tests that depend on the release"
+  matrix "$oldest"
+fi

@@ -1,35 +1,43 @@
 #!/usr/bin/env bash
 # Builds the pinned kube-apiserver and etcd that the integration tests run
 # against, and the kubectl they drive it with, from the Go module proxy, into
-# .cache/testbin/; then the kubelet, kube-scheduler and kube-controller-manager
-# that the single-node cluster (hack/cluster/up.sh, tests/e2e) runs, from the
-# same wrapper module with the same flags, so they share one build cache.
+# .cache/testbin/kube-<release>/; then the kubelet, kube-scheduler and
+# kube-controller-manager that the single-node cluster (hack/cluster/up.sh,
+# tests/e2e) runs, from the same wrapper module with the same flags, so they
+# share one build cache.
 #
-# The pins live in hack/testbin/{kube,etcd}/go.mod (with committed go.sum);
-# this script reads them from there. A binary whose stamp matches is not
-# rebuilt, so running it again costs a fraction of a second.
+# One Kubernetes minor release at a time: KUBE=1.35 (or 1.36, 1.37) picks it;
+# without KUBE, the newest. Each release has its own pins in
+# hack/testbin/{kube,etcd}/<release>/go.mod (with committed go.sum) and its own
+# binaries side by side under .cache/testbin/kube-<release>/, so switching
+# releases rebuilds nothing. A binary whose stamp matches is not rebuilt, so
+# running it again costs a fraction of a second.
 #
-# usage: hack/testbin.sh [--print-versions] [NAME...]
+# usage: KUBE=<release> hack/testbin.sh [--print-versions | --print-dir] [NAME...]
 #   NAME...  build only these (kube-apiserver kubectl etcd kubelet
 #            kube-scheduler kube-controller-manager); default: all of them
 set -euo pipefail
 
 # shellcheck source=hack/testbin/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/testbin/lib.sh"
+# shellcheck source=hack/testbin/release.sh
+source "$repo_root/hack/testbin/release.sh"
 
-kube_mod=$repo_root/hack/testbin/kube
-etcd_mod=$repo_root/hack/testbin/etcd
+kube_release=$(kube_release) || exit 2
+kube_mod=$repo_root/hack/testbin/kube/$kube_release
+etcd_mod=$repo_root/hack/testbin/etcd/$kube_release
+release_dir=$testbin_dir/kube-$kube_release
 
-# The version a wrapper module requires, e.g. `pinned k8s.io/kubernetes kube`.
+# The version a wrapper module requires, e.g. `pinned k8s.io/kubernetes "$kube_mod"`.
 pinned() {
     awk -v m="$1" '$1 == "require" && $2 == m { print $3 } $1 == m && $2 ~ /^v/ { print $2 }' \
-        "$repo_root/hack/testbin/$2/go.mod" | head -n1
+        "$2/go.mod" | head -n1
 }
 
-kube_version=$(pinned k8s.io/kubernetes kube)
-etcd_version=$(pinned go.etcd.io/etcd/server/v3 etcd)
+kube_version=$(pinned k8s.io/kubernetes "$kube_mod")
+etcd_version=$(pinned go.etcd.io/etcd/server/v3 "$etcd_mod")
 if [[ -z $kube_version || -z $etcd_version ]]; then
-    log "cannot read the pinned versions from hack/testbin/*/go.mod"
+    log "cannot read the pinned versions from hack/testbin/{kube,etcd}/$kube_release/go.mod"
     exit 1
 fi
 
@@ -38,6 +46,10 @@ all_bins=(kube-apiserver kubectl etcd "${kube_node_bins[@]}")
 if [[ ${1:-} == --print-versions ]]; then
     printf 'kube-apiserver %s\nkubectl %s\netcd %s\n' "$kube_version" "$kube_version" "$etcd_version"
     for name in "${kube_node_bins[@]}"; do printf '%s %s\n' "$name" "$kube_version"; done
+    exit 0
+fi
+if [[ ${1:-} == --print-dir ]]; then
+    printf '%s\n' "$release_dir"
     exit 0
 fi
 wanted=("$@")
@@ -50,7 +62,7 @@ for name in "${wanted[@]}"; do
 done
 want() { [[ " ${wanted[*]} " == *" $1 "* ]]; }
 
-# v1.34.4 -> major 1, minor 34: what `kubectl version` and /version report.
+# v1.37.2 -> major 1, minor 37: what `kubectl version` and /version report.
 # kube-apiserver and kubectl take the same flags, so they share one build cache.
 kube_minor=${kube_version#v*.}
 kube_minor=${kube_minor%%.*}
@@ -66,6 +78,10 @@ etcd_ldflags="-s -w"
 
 t_all=$(date +%s.%N)
 lock_testbin
+# From here on every binary, stamp and temporary file is the release's own.
+testbin_dir=$release_dir
+mkdir -p "$testbin_dir"
+log "Kubernetes $kube_release: $kube_version, etcd $etcd_version, into $testbin_dir"
 
 kube_stamp=$(stamp_for "kube-apiserver $kube_version $kube_ldflags" \
     "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")

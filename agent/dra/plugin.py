@@ -1,5 +1,5 @@
 """The kubelet side of DRA mode: registration through the kubelet's plugin registration API, the DRA gRPC
-service (v1 and v1beta1) and the DRA health service (v1alpha1).
+service (v1 and v1beta1) and the DRA health service (v1 and v1alpha1).
 
 A registration socket in the kubelet's plugins_registry directory answers GetInfo (a DRAPlugin named after the
 driver, its endpoint, the services it serves) and NotifyRegistrationStatus (on success the ResourceSlice is
@@ -28,6 +28,8 @@ import grpc
 from agent.deviceplugin.response import MPS_CONTAINER_ROOT, mps_log_dir, mps_pipe_dir
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.dynamic import DynamicMig, DynamicMigError
+from agent.dra.health_v1 import api_pb2 as health_v1_pb
+from agent.dra.health_v1 import api_pb2_grpc as health_v1_grpc
 from agent.dra.health_v1alpha1 import api_pb2 as health_pb
 from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from agent.dra.opaque import ConfigProblem, device_env
@@ -44,8 +46,10 @@ from agent.yamlfile import CheckpointError, read_checkpoint, write_atomically, w
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
-"""What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them."""
+SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
+"""What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them. A 1.37
+kubelet opens the health stream only for a plugin that lists a DRAResourceHealth service here (it prefers v1);
+1.35 and 1.36 open it regardless, on v1alpha1; every release ignores the names it does not know."""
 CHECKPOINT_VERSION = 1
 HEALTH_RESEND_S = 10.0
 """The health stream sends the full list again at this interval when nothing changed: the kubelet takes a
@@ -162,6 +166,7 @@ class DraKubeletPlugin:
         v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self), server)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self), server)
         health_grpc.add_DRAResourceHealthServicer_to_server(_Health(self), server)
+        health_v1_grpc.add_DRAResourceHealthServicer_to_server(_HealthV1(self), server)
         # The endpoint first: by the time the kubelet sees the registration socket, the service answers.
         server.add_insecure_port(f"unix://{self.paths.endpoint}")
         server.add_insecure_port(f"unix://{self.paths.registration}")
@@ -403,6 +408,19 @@ class _Health(health_grpc.DRAResourceHealthServicer):
     ) -> AsyncIterator[health_pb.NodeWatchResourcesResponse]:
         async for response in self._plugin.watch_health():
             yield response
+
+
+class _HealthV1(health_v1_grpc.DRAResourceHealthServicer):
+    """The same stream on the v1 service (Kubernetes 1.37), whose messages are v1alpha1's on the wire."""
+
+    def __init__(self, plugin: DraKubeletPlugin) -> None:
+        self._plugin = plugin
+
+    async def NodeWatchResources(
+            self, request: health_v1_pb.NodeWatchResourcesRequest, context: Any
+    ) -> AsyncIterator[health_v1_pb.NodeWatchResourcesResponse]:
+        async for response in self._plugin.watch_health():
+            yield health_v1_pb.NodeWatchResourcesResponse.FromString(response.SerializeToString())
 
 
 async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:

@@ -67,7 +67,8 @@ for cmdline in /proc/[0-9]*/cmdline; do
         pid=${cmdline#/proc/}; ours+=("${pid%/cmdline}")
     fi
 done
-for procs in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/memory/kubepods; do
+# cgroup v1 (a controller's hierarchy each) and v2 (one unified hierarchy).
+for procs in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/memory/kubepods /sys/fs/cgroup/kubepods; do
     [[ -d $procs ]] && mapfile -t -O "${#ours[@]}" ours < <(find "$procs" -name cgroup.procs -exec cat {} + 2>/dev/null)
 done
 for pid in "${ours[@]}"; do
@@ -100,7 +101,7 @@ if [[ -e /run/netns/$netns ]]; then ip netns del "$netns"; fi
 if [[ -f $run_dir/unmount-after ]] && mountpoint -q /run/netns; then umount /run/netns || true; fi
 
 # 7. The kubelet's cgroups (depth first; a cgroup directory goes with rmdir).
-for hierarchy in /sys/fs/cgroup/*/; do
+for hierarchy in /sys/fs/cgroup/ /sys/fs/cgroup/*/; do
     [[ -d ${hierarchy}kubepods ]] && find "${hierarchy}kubepods" -depth -type d -exec rmdir {} + 2>/dev/null
     [[ -d ${hierarchy}kubepods ]] && clog "cannot remove the cgroup ${hierarchy}kubepods"
 done

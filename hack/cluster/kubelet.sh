@@ -24,6 +24,9 @@ esac
 
 start() {
     mkdir -p "$run_dir/kubelet" "$run_dir/pod-logs"
+    # From 1.35 the kubelet refuses a cgroup v1 host unless told otherwise; on v2 the default stays.
+    local cgroup_v1_line=
+    [[ $(cgroup_version) == v1 ]] && cgroup_v1_line="failCgroupV1: false"
     cat >"$run_dir/kubelet/config.yaml" <<KC
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -52,8 +55,9 @@ evictionHard:
   nodefs.available: 2%
   imagefs.available: 2%
 topologyManagerPolicy: $policy
+$cgroup_v1_line
 KC
-    start_daemon kubelet "$testbin_dir/kubelet" \
+    start_daemon kubelet "$kube_bin_dir/kubelet" \
         --config="$run_dir/kubelet/config.yaml" \
         --kubeconfig="$run_dir/pki/kubelet.kubeconfig" \
         --hostname-override="$node_name" \

@@ -15,6 +15,16 @@ repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cache_dir=${CLUSTER_CACHE_DIR:-$repo_root/.cache/cluster}
 run_dir=${CLUSTER_RUN_DIR:-/run/gpu-node-agent-cluster}
 testbin_dir=${TESTBIN_DIR:-$repo_root/.cache/testbin}
+# The Kubernetes release: that of the running cluster (up.sh records it), else
+# $KUBE (make cluster KUBE=1.35), else the newest (hack/testbin/release.sh).
+# shellcheck source=hack/testbin/release.sh
+source "$repo_root/hack/testbin/release.sh"
+if [[ -z ${KUBE:-} && -s $run_dir/kube-release ]]; then
+    cluster_release=$(<"$run_dir/kube-release")
+else
+    cluster_release=$(kube_release) || exit 2
+fi
+kube_bin_dir=$testbin_dir/kube-$cluster_release
 netns=${CLUSTER_NETNS:-gpu-node-agent}
 node_name=${CLUSTER_NODE_NAME:-gpu-node-1}
 # Inside the cluster's network namespace only; nothing here is routed anywhere else.
@@ -26,6 +36,13 @@ apiserver_port=6443
 image_tag_file=$cache_dir/images/agent.tag
 
 clog() { printf 'cluster: %s\n' "$*" >&2; }
+
+# v2 when /sys/fs/cgroup is the unified cgroup v2 hierarchy, v1 otherwise (v1
+# alone, or hybrid: v1 controllers with a v2 `unified` mount beside them), the
+# test the kubelet itself makes (libcontainer's IsCgroup2UnifiedMode).
+cgroup_version() {
+    if [[ $(stat -fc %T /sys/fs/cgroup 2>/dev/null) == cgroup2fs ]]; then echo v2; else echo v1; fi
+}
 die() { clog "$*"; exit 1; }
 
 # Seconds since an earlier `date +%s.%N`, one decimal.
@@ -44,7 +61,7 @@ in_netns() { nsenter --net="/run/netns/$netns" "$@"; }
 ctr_() { ctr --address "$run_dir/containerd/containerd.sock" --namespace k8s.io "$@"; }
 
 kubectl_() {
-    in_netns "$testbin_dir/kubectl" --kubeconfig "$run_dir/pki/admin.kubeconfig" "$@"
+    in_netns "$kube_bin_dir/kubectl" --kubeconfig "$run_dir/pki/admin.kubeconfig" "$@"
 }
 
 pids_dir=$run_dir/pids

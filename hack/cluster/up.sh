@@ -6,13 +6,18 @@
 # through hack/cluster/overlay (the fake NVML of PRESET instead of real GPUs)
 # and waits until the kubelet advertises the GPUs. Run it as root.
 #
-# usage: hack/cluster/up.sh [PRESET]     (default dgx-h100; make cluster PRESET=...)
+# usage: [KUBE=1.35] hack/cluster/up.sh [PRESET]
+#   PRESET  default dgx-h100 (make cluster PRESET=...)
+#   KUBE    the Kubernetes release, default the newest (make cluster KUBE=1.35)
 # Stop it with hack/cluster/down.sh (make cluster-down). Running it again first
 # takes down what is running.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=hack/cluster/lib.sh
 source "$here/lib.sh"
+# A new cluster runs $KUBE or the newest release, whatever the last one ran.
+cluster_release=$(kube_release) || exit 2
+kube_bin_dir=$testbin_dir/kube-$cluster_release
 
 preset=${1:-${PRESET:-dgx-h100}}
 # The kustomization applied on top of daemonset/ (CLUSTER_OVERLAY: another one, e.g. a deliberately broken copy).
@@ -23,6 +28,10 @@ preset_file=$repo_root/agent/nvml/presets/$preset.yaml
 gpus=$(grep -c '^  - {model:' "$preset_file")
 
 t_all=$(date +%s.%N)
+case $(cgroup_version) in
+    v1) clog "Kubernetes $cluster_release on a cgroup v1 host: the kubelet runs with failCgroupV1: false" ;;
+    v2) clog "Kubernetes $cluster_release on a cgroup v2 host" ;;
+esac
 stage() {
     local name=$1 t0
     shift
@@ -32,7 +41,7 @@ stage() {
 }
 
 stage "packages" "$here/packages.sh"
-stage "binaries" "$repo_root/hack/testbin.sh"
+stage "binaries" env KUBE="$cluster_release" "$repo_root/hack/testbin.sh"
 stage "containerd" "$here/containerd.sh"
 stage "images" "$here/images.sh"
 "$here/down.sh" --quiet
@@ -43,6 +52,7 @@ for p in "${outside_paths[@]}"; do [[ -e $p ]] || echo "$p"; done >"$run_dir/cre
 mountpoint -q /run/netns 2>/dev/null || echo "/run/netns" >"$run_dir/unmount-after"
 for s in "${kubelet_sysctls[@]}"; do printf '%s=%s\n' "$s" "$(sysctl -n "$s")"; done >"$run_dir/sysctls"
 echo "$preset" >"$run_dir/preset"
+echo "$cluster_release" >"$run_dir/kube-release"
 
 bring_up() {
     "$here/certs.sh"
@@ -61,7 +71,7 @@ bring_up() {
             -j DNAT --to-destination "$node_ip:$apiserver_port"
     done
 
-    start_daemon etcd "$testbin_dir/etcd" --name=node --data-dir="$run_dir/etcd" \
+    start_daemon etcd "$kube_bin_dir/etcd" --name=node --data-dir="$run_dir/etcd" \
         --listen-client-urls=http://127.0.0.1:2379 --advertise-client-urls=http://127.0.0.1:2379 \
         --listen-peer-urls=http://127.0.0.1:2380 --initial-advertise-peer-urls=http://127.0.0.1:2380 \
         --initial-cluster=node=http://127.0.0.1:2380 --log-level=warn --unsafe-no-fsync
@@ -74,7 +84,7 @@ bring_up() {
 
     local pki=$run_dir/pki
     wait_for 30 "etcd" in_netns curl -fsS --max-time 1 http://127.0.0.1:2379/health
-    start_daemon kube-apiserver "$testbin_dir/kube-apiserver" \
+    start_daemon kube-apiserver "$kube_bin_dir/kube-apiserver" \
         --bind-address=0.0.0.0 --advertise-address="$node_ip" --secure-port="$apiserver_port" \
         --etcd-servers=http://127.0.0.1:2379 \
         --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
@@ -89,14 +99,14 @@ bring_up() {
         --enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy \
         --endpoint-reconciler-type=lease --allow-privileged=true --profiling=false --v=1
     wait_for 60 "kube-apiserver /readyz" apiserver_ready
-    start_daemon kube-controller-manager "$testbin_dir/kube-controller-manager" \
+    start_daemon kube-controller-manager "$kube_bin_dir/kube-controller-manager" \
         --kubeconfig="$pki/kube-controller-manager.kubeconfig" \
         --authentication-kubeconfig="$pki/kube-controller-manager.kubeconfig" \
         --authorization-kubeconfig="$pki/kube-controller-manager.kubeconfig" \
         --bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials \
         --root-ca-file="$pki/ca.crt" --service-account-private-key-file="$pki/sa.key" \
         --service-cluster-ip-range="$service_cidr" --profiling=false --v=1
-    start_daemon kube-scheduler "$testbin_dir/kube-scheduler" \
+    start_daemon kube-scheduler "$kube_bin_dir/kube-scheduler" \
         --kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authentication-kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authorization-kubeconfig="$pki/kube-scheduler.kubeconfig" \

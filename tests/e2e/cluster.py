@@ -36,6 +36,11 @@ class Cluster:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result.stdout
 
+    def release(self) -> tuple[int, int]:
+        """(major, minor) of the cluster's kube-apiserver, as it says (kubectl version)."""
+        server = json.loads(self.kubectl("version", "-o", "json"))["serverVersion"]
+        return int(server["major"]), int(str(server["minor"]).rstrip("+"))
+
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json"))
 

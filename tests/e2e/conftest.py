@@ -63,7 +63,8 @@ def machine_state() -> dict[str, str]:
     paths = ["/var/lib/kubelet", "/var/lib/gpu-node-agent", "/dev/nvidia-caps", "/var/log/pods",
              "/var/log/containers", "/run/containerd", "/var/lib/cni", "/opt/containerd", "/var/lib/containerd",
              "/run/netns", "/run/cdi", str(RUN_DIR)]
-    cgroups = sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/kubepods"))
+    cgroups = sorted(str(p) for p in [*Path("/sys/fs/cgroup").glob("*/kubepods"), Path("/sys/fs/cgroup/kubepods")]
+                     if p.exists())
     processes = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:

@@ -66,6 +66,7 @@ def agent_registrations(cluster: Cluster) -> int:
 # --- the DaemonSet on the node ------------------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 def test_agent_pod_is_ready_and_the_kubelet_advertises_eight_gpus(cluster: Cluster) -> None:
     pod = cluster.get("pod", "-n", NAMESPACE, cluster.agent_pod())
     conditions = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
@@ -86,6 +87,7 @@ def test_agent_pod_is_ready_and_the_kubelet_advertises_eight_gpus(cluster: Clust
 # --- pods on the GPUs ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.matrix
 def test_gpu_pods_get_the_preferred_gpus_and_too_many_gpus_stay_pending(cluster: Cluster) -> None:
     uuids = gpu_uuids()
     try:

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from cluster import BUSYBOX, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
 
-pytestmark = pytest.mark.timeout(300)
+from tests.releases import on_by_default, release_name
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.matrix]
 
 DRIVER = "gpu.gpu-node-agent.io"
 SLICE = f"{NODE}-{DRIVER}"
@@ -201,25 +203,37 @@ def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unpr
         cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
 
 
-def test_an_xid_withdraws_the_gpu_from_the_slice_until_it_recovers(dra_node: Cluster) -> None:
+def test_an_xid_taints_or_withdraws_the_gpu_as_the_release_keeps_taints_until_it_recovers(
+        dra_node: Cluster) -> None:
+    """From 1.36 the API server keeps device taints by default and the agent taints the GPU in its slice; on 1.35
+    it drops them and the agent withdraws the GPU."""
     cluster = dra_node
+    release = cluster.release()
+    taints = on_by_default("DRADeviceTaints", release)
+    print(f"Kubernetes {release_name(release)}: DRADeviceTaints {'on' if taints else 'off'} by default")
 
-    def devices() -> tuple[int, list[str]]:
+    def devices() -> tuple[int, list[str], dict[str, list[tuple[str, str, str]]]]:
         spec = the_slice(cluster)["spec"]
-        return spec["pool"]["generation"], sorted(d["name"] for d in spec["devices"])
+        tainted = {d["name"]: [(t["key"], t["value"], t["effect"]) for t in d["taints"]]
+                   for d in spec["devices"] if d.get("taints")}
+        return spec["pool"]["generation"], sorted(d["name"] for d in spec["devices"]), tainted
 
-    generation, names = devices()
-    assert names == [f"gpu-{i}" for i in range(8)]
+    generation, names, tainted = devices()
+    assert (names, tainted) == ([f"gpu-{i}" for i in range(8)], {})
     injected = time.monotonic()
     cluster.fault("xid", "5", "48")  # a double-bit ECC error: the GPU is unhealthy at once
-    def without_gpu5() -> tuple[int, list[str]] | None:
+    expected = ((names, {"gpu-5": [(f"{DRIVER}/unhealthy", "xid-48", "NoSchedule")]}) if taints
+                else ([n for n in names if n != "gpu-5"], {}))
+
+    def marked() -> tuple[int, list[str], dict[str, list[tuple[str, str, str]]]] | None:
         now = devices()
-        return now if now[1] == [n for n in names if n != "gpu-5"] else None
-    withdrawn = eventually(without_gpu5, 30, "gpu-5 withdrawn from the slice", interval=0.05)
-    TIMES["DRA: XID 48 injected -> the GPU withdrawn from the slice"] = time.monotonic() - injected
-    assert withdrawn[0] > generation
+        return now if (now[1], now[2]) == expected else None
+    what = "gpu-5 tainted in the slice" if taints else "gpu-5 withdrawn from the slice"
+    changed = eventually(marked, 30, what, interval=0.05)
+    TIMES[f"DRA: XID 48 injected -> {what}"] = time.monotonic() - injected
+    assert changed[0] > generation
     # Healthy again after the health policy's clean samples (recoveryChecks), without a restart.
-    eventually(lambda: devices()[1] == names, 60, "gpu-5 back in the slice")
-    assert devices()[0] > withdrawn[0]
+    eventually(lambda: devices()[1:] == (names, {}), 60, "gpu-5 back in the slice, untainted")
+    assert devices()[0] > changed[0]
     eventually(lambda: not [t for t in cluster.node()["spec"].get("taints", [])
                             if t["key"] == "gpu-node-agent.io/gpu-fault"], 30, "no health taint on the node")

@@ -9,7 +9,9 @@ from typing import Any
 import yaml
 from cluster import REPO
 
-KUBECTL = REPO / ".cache" / "testbin" / "kubectl"
+from tests.releases import kube_bin
+
+KUBECTL = kube_bin() / "kubectl"
 
 
 def render(path: str) -> dict[tuple[str, str], Any]:

@@ -26,9 +26,15 @@ from typing import Any
 import yaml
 from kubernetes import client as k8s
 
+from tests.releases import kube_release
+
 REPO = Path(__file__).resolve().parents[2]
 TESTBIN = Path(os.environ.get("TESTBIN_DIR", REPO / ".cache" / "testbin"))
 TESTBIN_SCRIPT = REPO / "hack" / "testbin.sh"
+
+KUBE_RELEASE = kube_release()
+# The release's own binaries (kube-apiserver, etcd, kubectl, kubelet, kube-scheduler, kube-controller-manager).
+KUBE_BIN = TESTBIN / f"kube-{KUBE_RELEASE}"
 
 # The Nodes the session fixture creates: the agent's own node, and another for RBAC tests.
 NODE = "gpu-node-1"
@@ -48,7 +54,8 @@ def ensure_testbin() -> None:
 
 
 def pinned_versions() -> dict[str, str]:
-    """The versions hack/testbin/*/go.mod pin, e.g. {"kube-apiserver": "v1.34.4", "etcd": "v3.5.35"}."""
+    """The versions hack/testbin/{kube,etcd}/<release>/go.mod pin, e.g.
+    {"kube-apiserver": "v1.37.2", "etcd": "v3.7.4"}."""
     out = subprocess.run(
         ["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True, check=True
     ).stdout
@@ -287,7 +294,7 @@ class ApiServer:
     def _start_etcd(self) -> None:
         self._etcd = _spawn(
             [
-                str(TESTBIN / "etcd"),
+                str(KUBE_BIN / "etcd"),
                 "--name=rig",
                 f"--data-dir={self.workdir / 'etcd-data'}",
                 f"--listen-client-urls={self.etcd_url}",
@@ -315,7 +322,7 @@ class ApiServer:
     def _start_apiserver(self) -> None:
         self._apiserver = _spawn(
             [
-                str(TESTBIN / "kube-apiserver"),
+                str(KUBE_BIN / "kube-apiserver"),
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 f"--secure-port={self.port}",
@@ -365,6 +372,12 @@ class ApiServer:
     def admin_client(self) -> k8s.ApiClient:
         """A client with the rig's system:masters certificate."""
         return self._client(cert_file=str(self.admin.cert), key_file=str(self.admin.key))
+
+    def release(self) -> tuple[int, int]:
+        """(major, minor) of the running kube-apiserver, as its /version says: what tests whose expectation
+        depends on the release ask, rather than assume."""
+        info = k8s.VersionApi(self.admin_client()).get_code()
+        return int(info.major), int(str(info.minor).rstrip("+"))
 
     def node_client(self, node: str) -> k8s.ApiClient:
         """A client with the identity a kubelet on `node` has (system:node:<node>, group system:nodes)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from apiserver import REPO, TESTBIN, ApiServer, _spawn, _stop_group, wait_until
+from apiserver import KUBE_BIN, REPO, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
 
 from agent.config import parse_config
@@ -110,11 +110,11 @@ class ControlPlane:
         kubeconfig = str(self.apiserver.kubeconfig_path)
         gates = [f"--feature-gates={self.feature_gates}"] if self.feature_gates else []
         self._procs.append(_spawn([
-            str(TESTBIN / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            str(KUBE_BIN / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
             "--secure-port=0", "--v=2", *gates,
         ], self.workdir / "kube-scheduler.log"))
         self._procs.append(_spawn([
-            str(TESTBIN / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            str(KUBE_BIN / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
             "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2", *gates,
         ], self.workdir / "kube-controller-manager.log"))
         time.sleep(0.5)

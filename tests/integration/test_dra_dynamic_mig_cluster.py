@@ -1,9 +1,11 @@
 """Dynamic MIG (dra.dynamicMig) against a real kube-apiserver and kube-scheduler with the DRAPartitionableDevices
-feature gate on (the rig runs v1.34.4: each GPU in MIG mode has a slice with its counter set and every MIG
-placement). The scheduler gives two claims for a 3g.40gb the two placements that do not overlap and finds no
-room for a 4g.40gb after them; NodePrepareResources creates the MIG device on the fake NVML at the allocated
-placement and NodeUnprepareResources destroys it. Where the gate is off (the rig's usual API server) the agent
-says so and publishes the GPU's layout instead."""
+feature gate on (by hand on 1.35, by default from 1.36). The slice shape is the release's: from 1.35 the counter
+sets are in a slice of their own and each GPU in MIG mode has a slice of its placements (up to 1.34 one slice
+held both); the tests ask the server its release and expect that shape. The scheduler gives two claims for a
+3g.40gb the two placements that do not overlap and finds no room for a 4g.40gb after them;
+NodePrepareResources creates the MIG device on the fake NVML at the allocated placement and
+NodeUnprepareResources destroys it. Where the gate is off (by default on 1.35, by hand later) the agent says so
+and publishes the GPU's layout instead."""
 
 from __future__ import annotations
 
@@ -53,10 +55,39 @@ from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState, StateBus
 from tests.plugin_harness import carve_mig, gpu_instances, short_dir
+from tests.releases import SPLIT_COUNTERS_FROM, on_by_default, release_name
 
-pytestmark = pytest.mark.testbin
+pytestmark = [pytest.mark.testbin, pytest.mark.matrix]
 
 GATES = "DRAPartitionableDevices=true"
+UNGATED = "DRAPartitionableDevices=false"  # beta in 1.36 and 1.37: still a gate that can be turned off
+
+
+def slice_names(release: tuple[int, int], node: str) -> list[str]:
+    """The names of the slices of a node whose GPU 0 is published with dynamic MIG, on `release`."""
+    base = f"{node}-{DRIVER}"
+    if release >= SPLIT_COUNTERS_FROM:
+        return [base, f"{base}-counters", f"{base}-gpu-0"]
+    return [base, f"{base}-gpu-0"]
+
+
+def counters_and_placements(release: tuple[int, int], node: str, found: dict[str, Any]
+                            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """GPU 0's counter sets and placements, from the slices the release's shape puts them in."""
+    base = f"{node}-{DRIVER}"
+    counters = found[f"{base}-counters" if release >= SPLIT_COUNTERS_FROM else f"{base}-gpu-0"]
+    placements = found[f"{base}-gpu-0"]
+    if release >= SPLIT_COUNTERS_FROM:
+        assert "devices" not in counters and "sharedCounters" not in placements
+    return counters["sharedCounters"], placements["devices"]
+
+
+@pytest.fixture(scope="module")
+def unpartitionable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops shared counters (DRAPartitionableDevices off), whatever its release's default."""
+    with gated_apiserver(tmp_path_factory.mktemp("unpartitionable-apiserver"), UNGATED) as rig:
+        setup_cluster(rig)
+        yield rig
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +173,12 @@ async def test_the_scheduler_keeps_placements_apart_and_prepare_makes_the_mig_de
         partitionable: GatedApiServer, partitionable_scheduler: ControlPlane) -> None:
     async with Node.running(partitionable, "dyn-mig") as node:
         assert await node.publisher.sync(node.bus.current)
-        found = {s["metadata"]["name"]: s for s in await asyncio.to_thread(slices_of, partitionable, "dyn-mig")}
-        assert sorted(found) == [f"dyn-mig-{DRIVER}", f"dyn-mig-{DRIVER}-gpu-0"]
-        gpu0 = found[f"dyn-mig-{DRIVER}-gpu-0"]["spec"]
-        assert gpu0["sharedCounters"][0]["name"] == "gpu-0-counter-set"  # kept: the gate is on
-        assert len(gpu0["devices"]) == 25
+        release = partitionable.release()
+        found = {s["metadata"]["name"]: s["spec"] for s in await asyncio.to_thread(slices_of, partitionable, "dyn-mig")}
+        assert sorted(found) == slice_names(release, "dyn-mig")
+        counters, placements = counters_and_placements(release, "dyn-mig", found)
+        assert [c["name"] for c in counters] == ["gpu-0-counter-set"]  # kept: the gate is on
+        assert len(placements) == 25
 
         for name in ("first", "second"):
             await asyncio.to_thread(create_claim, partitionable, name, profile_claim("3g.40gb"))
@@ -195,8 +227,9 @@ async def test_a_placement_taken_outside_the_agent_fails_the_claim_in_one_line(
 
 
 async def test_without_the_gate_the_agent_says_so_and_publishes_the_layout(
-        apiserver: ApiServer, caplog: pytest.LogCaptureFixture) -> None:
-    setup_cluster(apiserver)
+        unpartitionable: GatedApiServer, caplog: pytest.LogCaptureFixture) -> None:
+    apiserver = unpartitionable
+    counters_slice = slice_names(apiserver.release(), "dyn-mig-ungated")[1]
     caplog.set_level(logging.INFO, logger="agent.dra.dynamic")
     async with Node.running(apiserver, "dyn-mig-ungated") as node:
         assert await node.publisher.sync(node.bus.current)
@@ -205,7 +238,7 @@ async def test_without_the_gate_the_agent_says_so_and_publishes_the_layout(
         assert [d["name"] for d in only["spec"]["devices"]] == [f"gpu-{i}" for i in range(1, 8)]
         assert not node.dynamic.active
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
-            f"the API server drops the shared counters of ResourceSlice dyn-mig-ungated-{DRIVER}-gpu-0 (the "
+            f"the API server drops the shared counters of ResourceSlice {counters_slice} (the "
             "DRAPartitionableDevices feature gate is off): dra.dynamicMig is off until the agent restarts; MIG "
             "devices are published as the GPUs' layout has them"]
 
@@ -222,13 +255,14 @@ async def test_the_agent_with_dynamic_mig_publishes_placements_and_prepares_a_cl
                          config="flags: {migStrategy: mixed}\n", dra=", dynamicMig: true") as (agent, _):
         assert agent.dra is not None
         published = await asyncio.to_thread(slices_of, partitionable, "dyn-agent")
+        release = partitionable.release()
         found = {s["metadata"]["name"]: s["spec"] for s in published}
-        assert sorted(found) == [f"dyn-agent-{DRIVER}", f"dyn-agent-{DRIVER}-gpu-0"]
-        gpu0 = found[f"dyn-agent-{DRIVER}-gpu-0"]
-        assert gpu0["sharedCounters"][0]["name"] == "gpu-0-counter-set"
+        assert sorted(found) == slice_names(release, "dyn-agent")
+        counters, placements = counters_and_placements(release, "dyn-agent", found)
+        assert [c["name"] for c in counters] == ["gpu-0-counter-set"]
         # H100 80GB placements: 7 x 1g.10gb, 7 x 1g.10gb+me, 4 x 1g.20gb, 3 x 2g.20gb, 2 x 3g.40gb, 1 x 4g.40gb,
         # 1 x 7g.80gb.
-        assert len(gpu0["devices"]) == 25
+        assert len(placements) == 25
         assert [d["name"] for d in found[f"dyn-agent-{DRIVER}"]["devices"]] == [f"gpu-{i}" for i in range(1, 8)]
         assert sorted(agent.devices()) == []  # whole GPUs and MIG devices are all the DRA driver's
 
@@ -245,3 +279,31 @@ async def test_the_agent_with_dynamic_mig_publishes_placements_and_prepares_a_cl
         assert [d.device_name for d in answer.devices] == [device]
         start = int(device.rsplit("-", 1)[1])
         assert gpu_instances(fake, 0) == [(start, 4, 1)]
+
+
+async def test_with_the_releases_defaults_dynamic_mig_is_on_from_1_36_and_said_off_before(
+        apiserver: ApiServer, caplog: pytest.LogCaptureFixture) -> None:
+    """What a user of each release gets without touching a gate: the rig's API server as the release ships it."""
+    setup_cluster(apiserver)
+    release = apiserver.release()
+    partitionable = on_by_default("DRAPartitionableDevices", release)
+    print(f"Kubernetes {release_name(release)}: DRAPartitionableDevices {'on' if partitionable else 'off'} by default")
+    caplog.set_level(logging.INFO, logger="agent.dra.dynamic")
+    async with Node.running(apiserver, "dyn-mig-default") as node:
+        assert await node.publisher.sync(node.bus.current)
+        found = {s["metadata"]["name"]: s["spec"]
+                 for s in await asyncio.to_thread(slices_of, apiserver, "dyn-mig-default")}
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        if partitionable:
+            assert sorted(found) == slice_names(release, "dyn-mig-default")
+            counters, placements = counters_and_placements(release, "dyn-mig-default", found)
+            assert [c["name"] for c in counters] == ["gpu-0-counter-set"]
+            assert len(placements) == 25
+            assert node.dynamic.active
+            assert warnings == []
+        else:
+            assert sorted(found) == [f"dyn-mig-default-{DRIVER}"]
+            assert [d["name"] for d in found[f"dyn-mig-default-{DRIVER}"]["devices"]] == [
+                f"gpu-{i}" for i in range(1, 8)]
+            assert not node.dynamic.active
+            assert len(warnings) == 1 and "(the DRAPartitionableDevices feature gate is off)" in warnings[0]

@@ -30,6 +30,9 @@ from kubernetes import client as k8s
 
 from agent.dra import plugin as dra_plugin
 from agent.dra.v1 import api_pb2 as v1
+from tests.releases import on_by_default, release_name
+
+pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
 
 GATES = "DRAExtendedResource=true"
 CLASS = shipped("examples/extended-resource-gpu.yaml")[0]
@@ -92,7 +95,12 @@ async def test_a_pod_asking_for_nvidia_com_gpu_gets_the_agents_devices_through_a
         assert sorted(d.device_name for d in answer.devices) == ["gpu-0", "gpu-1"]
 
 
-def test_without_the_gate_the_api_server_drops_the_mapping(apiserver: ApiServer) -> None:
+def test_with_the_releases_defaults_the_mapping_is_kept_from_1_36_and_dropped_before(apiserver: ApiServer) -> None:
+    """The shipped DeviceClass on the rig's API server as the release ships it: DRAExtendedResource is on by default
+    from 1.36 (and cannot be turned off from 1.37), off in 1.35, where the API server drops the field."""
+    release = apiserver.release()
+    kept = on_by_default("DRAExtendedResource", release)
+    print(f"Kubernetes {release_name(release)}: DRAExtendedResource {'on' if kept else 'off'} by default")
     custom = k8s.CustomObjectsApi(apiserver.admin_client())
-    dropped = custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", CLASS, dry_run="All")
-    assert "extendedResourceName" not in dropped["spec"]
+    stored = custom.create_cluster_custom_object(GROUP, VERSION, "deviceclasses", CLASS, dry_run="All")
+    assert stored["spec"].get("extendedResourceName") == ("nvidia.com/gpu" if kept else None)

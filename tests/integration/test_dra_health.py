@@ -1,8 +1,9 @@
 """Unhealthy GPUs in DRA mode, against the real kube-apiserver: where the DRADeviceTaints feature gate is off
-(the rig's API server) the API server drops device taints, so the agent withdraws unhealthy devices from its
-ResourceSlice; where it is on (a second API server, with the real kube-scheduler gated the same way) they stay
-in with a taint the scheduler honours. Either way a recovered GPU comes back without a restart. The kubelet's
-health stream (DRAResourceHealth/NodeWatchResources on the DRA plugin socket) reports the change too."""
+(by default up to 1.35; turned off by hand on a later release) the API server drops device taints, so the agent
+withdraws unhealthy devices from its ResourceSlice; where it is on (by default from 1.36; turned on by hand on
+1.35, with the real kube-scheduler gated the same way) they stay in with a taint the scheduler honours. Either way
+a recovered GPU comes back without a restart. The kubelet's health stream (DRAResourceHealth/NodeWatchResources
+on the DRA plugin socket, v1alpha1 and v1) reports the change too."""
 
 from __future__ import annotations
 
@@ -33,11 +34,17 @@ from dra_rig import (
     unschedulable,
 )
 
+from agent.dra.health_v1 import api_pb2 as health_v1
+from agent.dra.health_v1 import api_pb2_grpc as health_v1_grpc
 from agent.dra.health_v1alpha1 import api_pb2 as health
 from agent.dra.health_v1alpha1 import api_pb2_grpc as health_grpc
 from tests.plugin_harness import short_dir
+from tests.releases import on_by_default, release_name
+
+pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
 
 GATES = "DRADeviceTaints=true"
+UNGATED = "DRADeviceTaints=false,DRADeviceTaintRules=false"  # not locked in any supported release (GA in 1.37)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,14 @@ def tainting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServe
     scheduler watches, served)."""
     with gated_apiserver(tmp_path_factory.mktemp("gated-apiserver"), GATES,
                          runtime_config="resource.k8s.io/v1alpha3=true") as rig:
+        setup_cluster(rig)
+        yield rig
+
+
+@pytest.fixture(scope="module")
+def untainting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops device taints (DRADeviceTaints off), whatever its release's default."""
+    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), UNGATED) as rig:
         setup_cluster(rig)
         yield rig
 
@@ -80,8 +95,8 @@ ALL_FOUR = {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassNa
 
 
 async def test_without_the_gate_an_unhealthy_gpu_is_withdrawn_and_comes_back(
-        apiserver: ApiServer, caplog: pytest.LogCaptureFixture) -> None:
-    setup_cluster(apiserver)
+        untainting: GatedApiServer, caplog: pytest.LogCaptureFixture) -> None:
+    apiserver = untainting
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     caplog.set_level(logging.INFO, logger="agent.dra.publisher")
     async with dra_agent(apiserver, kubeconfig, "dra-ungated", "a100-pcie-nvlink-pairs") as (agent, fake):
@@ -110,6 +125,39 @@ async def test_without_the_gate_an_unhealthy_gpu_is_withdrawn_and_comes_back(
         assert list(devices(again)) == ["gpu-0", "gpu-2", "gpu-3"]
         assert again["spec"]["pool"]["generation"] == 4
         assert said_by_publisher(caplog) == [dropped]
+
+
+async def test_with_the_releases_defaults_the_agent_taints_from_1_36_and_withdraws_before(
+        apiserver: ApiServer, caplog: pytest.LogCaptureFixture) -> None:
+    """What a user of each release gets without touching a gate: the rig's API server as the release ships it."""
+    setup_cluster(apiserver)
+    release = apiserver.release()
+    taints = on_by_default("DRADeviceTaints", release)
+    print(f"Kubernetes {release_name(release)}: DRADeviceTaints {'on' if taints else 'off'} by default")
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    caplog.set_level(logging.INFO, logger="agent.dra.publisher")
+    async with dra_agent(apiserver, kubeconfig, "dra-default", "a100-pcie-nvlink-pairs") as (agent, fake):
+        mode = agent.metrics.registry.get_sample_value
+        fake.inject_xid(2, 48)
+        if taints:
+            now = await slice_when(apiserver, "dra-default", lambda d: "taints" in d.get("gpu-2", {}))
+            assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+            assert [(t["key"], t["value"], t["effect"]) for t in devices(now)["gpu-2"]["taints"]] == [
+                ("gpu.gpu-node-agent.io/unhealthy", "xid-48", "NoSchedule")]
+            assert (mode("gpu_agent_dra_health_mode", {"mode": "taints"}),
+                    mode("gpu_agent_dra_health_mode", {"mode": "withdrawal"})) == (1.0, 0.0)
+            assert said_by_publisher(caplog) == []
+        else:
+            now = await slice_when(apiserver, "dra-default", lambda d: "gpu-2" not in d)
+            assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-3"]
+            assert (mode("gpu_agent_dra_health_mode", {"mode": "taints"}),
+                    mode("gpu_agent_dra_health_mode", {"mode": "withdrawal"})) == (0.0, 1.0)
+        assert now["spec"]["pool"]["generation"] == 2
+        fake.reset_gpu(2)
+        back = await slice_when(apiserver, "dra-default",
+                                lambda d: "gpu-2" in d and "taints" not in d["gpu-2"])
+        assert list(devices(back)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+        assert back["spec"]["pool"]["generation"] == 3
 
 
 async def test_with_the_gate_an_unhealthy_gpu_is_tainted_the_scheduler_avoids_it_and_recovery_lifts_it(
@@ -196,5 +244,14 @@ async def test_the_health_stream_reports_every_device_and_follows_an_xid_and_the
                 fake.reset_gpu(2)
                 assert await next_report(second) == first
                 stream.cancel()
+
+                # The same stream on v1, the service a 1.37 kubelet prefers (the plugin lists both).
+                v1_stream = health_v1_grpc.DRAResourceHealthStub(channel).NodeWatchResources(
+                    health_v1.NodeWatchResourcesRequest())
+                answer = await asyncio.wait_for(v1_stream.read(), 5)
+                assert isinstance(answer, health_v1.NodeWatchResourcesResponse)
+                assert [(d.device.pool_name, d.device.device_name, d.health) for d in answer.devices] == [
+                    ("dra-stream", f"gpu-{i}", health_v1.HEALTHY) for i in range(4)]
+                v1_stream.cancel()
     finally:
         shutil.rmtree(root, ignore_errors=True)

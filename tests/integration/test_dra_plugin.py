@@ -91,7 +91,8 @@ async def test_registration_prepare_unprepare_and_a_restart_in_between(
             async with grpc.aio.insecure_channel(f"unix://{registration}") as channel:
                 info = await reg_grpc.RegistrationStub(channel).GetInfo(reg.InfoRequest(), timeout=5)
                 assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == (
-                    "DRAPlugin", DRIVER, str(endpoint), ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+                    "DRAPlugin", DRIVER, str(endpoint),
+                    ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
                 # The kubelet deletes the driver's slices when it registers; the agent writes its slice again.
                 await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1",
                                         "resourceslices", f"{NODE}-{DRIVER}")

@@ -17,6 +17,8 @@ from dra_rig import DRIVER, GROUP, SHIPPED, VERSION, delete_node, dra_agent, sli
 from kubernetes import client as k8s
 from kubernetes import utils
 
+from tests.releases import on_by_default
+
 NODE = "dra-rbac"
 NAMESPACE = "gpu-node-agent"
 ACCOUNT = "gpu-node-agent"
@@ -104,6 +106,7 @@ def agent_custom(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory)
     return path, custom
 
 
+@pytest.mark.matrix
 async def test_the_agent_writes_its_own_nodes_slice(apiserver: ApiServer,
                                                     agent_custom: tuple[Path, k8s.CustomObjectsApi]) -> None:
     kubeconfig, _ = agent_custom
@@ -119,7 +122,15 @@ async def test_the_agent_writes_its_own_nodes_slice(apiserver: ApiServer,
                     return [d["name"] for d in now["spec"]["devices"]]
                 await asyncio.sleep(0.1)
 
-        assert await asyncio.wait_for(updated(), 10) == ["gpu-0", "gpu-2", "gpu-3"]
+        # Its own identity writes the update: from 1.36 the GPU tainted in place (device taints kept by default),
+        # on 1.35 withdrawn.
+        if on_by_default("DRADeviceTaints", apiserver.release()):
+            assert await asyncio.wait_for(updated(), 10) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+            (now,) = await asyncio.to_thread(slices_of, apiserver, NODE)
+            assert [(d["name"], t["value"]) for d in now["spec"]["devices"] for t in d.get("taints") or []] == [
+                ("gpu-1", "xid-48")]
+        else:
+            assert await asyncio.wait_for(updated(), 10) == ["gpu-0", "gpu-2", "gpu-3"]
         assert agent.metrics.api_errors._value.get() == 0
 
 

@@ -39,6 +39,9 @@ from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import StandInKubelet
 from tests.plugin_harness import carve_mig, short_dir
+from tests.releases import on_by_default, release_name
+
+pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
 
 LOOSE = str(REPO / "tests" / "fixtures" / "dra" / "one-pair-two-loose.yaml")
 PAIR = f"{DRIVER}/nvlinkPair"
@@ -97,16 +100,29 @@ async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
 
         fake.inject_xid(3, 48)  # a double-bit ECC error: the GPU is unhealthy
 
-        async def withdrawn() -> dict[str, Any]:
+        # With the release's default gates: from 1.36 the API server keeps device taints, and the agent taints the
+        # GPU in place; 1.35 drops them, and the agent withdraws it.
+        release = apiserver.release()
+        taints = on_by_default("DRADeviceTaints", release)
+        print(f"Kubernetes {release_name(release)}: DRADeviceTaints {'on' if taints else 'off'} by default")
+
+        async def marked() -> dict[str, Any]:
             while True:
                 (now,) = await asyncio.to_thread(slices_of, apiserver, "dra-h100")
-                if "gpu-3" not in devices(now):
+                if (taints and devices(now).get("gpu-3", {}).get("taints")) or (
+                        not taints and "gpu-3" not in devices(now)):
                     return now
                 await asyncio.sleep(0.1)
 
-        now = await asyncio.wait_for(withdrawn(), 10)
-        assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6", "gpu-7"]
+        now = await asyncio.wait_for(marked(), 10)
         assert now["spec"]["pool"]["generation"] == 2
+        if taints:
+            assert list(devices(now)) == [f"gpu-{i}" for i in range(8)]
+            assert [(t["key"], t["value"], t["effect"]) for t in devices(now)["gpu-3"]["taints"]] == [
+                ("gpu.gpu-node-agent.io/unhealthy", "xid-48", "NoSchedule")]
+            assert [n for n, d in devices(now).items() if d.get("taints")] == ["gpu-3"]
+        else:
+            assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6", "gpu-7"]
 
 
 async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServer, agent_kubeconfig: Path) -> None:

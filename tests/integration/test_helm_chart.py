@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from apiserver import NODE, OTHER_NODE, REPO, TESTBIN, ApiServer, running
+from apiserver import KUBE_RELEASE, NODE, OTHER_NODE, REPO, TESTBIN, ApiServer, running
 from test_manifests_apply import (
     APPLIED,
     BASE,
@@ -81,8 +81,12 @@ class Helm:
         self.home = home
 
     def __call__(
-        self, *args: str, kubeconfig: Path | None = None, stdin: str | None = None
+        self, *args: str, kubeconfig: Path | None = None, stdin: str | None = None, offline_version: bool = True
     ) -> subprocess.CompletedProcess[str]:
+        """helm ARGS. `helm template` and `helm lint` ask no cluster: unless told otherwise they are given the rig's
+        release (--kube-version), as a user rendering offline for a supported cluster must."""
+        if offline_version and args and args[0] in ("template", "lint") and "--kube-version" not in args:
+            args = (*args, "--kube-version", f"{KUBE_RELEASE}.0")
         env = {
             "PATH": "/usr/bin:/bin",
             "HOME": str(self.home),
@@ -203,20 +207,27 @@ def test_helm_is_the_pinned_release(helm: Helm) -> None:
     pinned = subprocess.run(["bash", str(HELM_SCRIPT), "--print-version"], capture_output=True, text=True, check=True)
     assert pinned.stdout == "helm v3.19.5\n"
     assert ok(helm("version", "--template", "{{.Version}}")) == "v3.19.5"
-    # Built with the Kubernetes 1.34 client libraries (hack/helm.sh sets the version they imply), it renders for
-    # Kubernetes 1.34 when no cluster is asked, which the chart's kubeVersion (>= 1.30) admits. Without it, helm
-    # assumes 1.20 and refuses the chart.
-    assert helm("template", RELEASE, str(CHART), "--kube-version", "1.34.0").stdout == ok(
-        helm("template", RELEASE, str(CHART))
+    # Built with the Kubernetes 1.34 client libraries (hack/helm.sh sets the version they imply), it assumes
+    # Kubernetes 1.34 when no cluster is asked, which the chart's kubeVersion (>= 1.35) refuses: offline, a user
+    # renders with --kube-version (the wrapper gives the rig's release).
+    assert helm("template", RELEASE, str(CHART), offline_version=False).stderr == (
+        "Error: chart requires kubeVersion: >=1.35.0-0 which is incompatible with Kubernetes v1.34.0\n\n"
+        "Use --debug flag to render out invalid YAML\n"
     )
 
 
-def test_clusters_older_than_1_30_are_refused(helm: Helm) -> None:
-    # ValidatingAdmissionPolicy v1 and tokens that name their node came with Kubernetes 1.30.
-    result = helm("template", RELEASE, str(CHART), "--kube-version", "1.29.0")
+@pytest.mark.parametrize("version", ["1.35.0", "1.36.0", "1.37.0"])
+def test_the_supported_releases_render_the_same(helm: Helm, version: str) -> None:
+    assert ok(helm("template", RELEASE, str(CHART), "--kube-version", version)) == ok(
+        helm("template", RELEASE, str(CHART), "--kube-version", "1.37.0"))
+
+
+def test_clusters_older_than_1_35_are_refused(helm: Helm) -> None:
+    # 1.35 is the oldest release upstream still patches, and the oldest the agent is tested on.
+    result = helm("template", RELEASE, str(CHART), "--kube-version", "1.34.0")
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == (
-        "Error: chart requires kubeVersion: >=1.30.0-0 which is incompatible with Kubernetes v1.29.0\n\n"
+        "Error: chart requires kubeVersion: >=1.35.0-0 which is incompatible with Kubernetes v1.34.0\n\n"
         "Use --debug flag to render out invalid YAML\n"
     )
 

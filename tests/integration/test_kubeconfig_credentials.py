@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from apiserver import NODE, ApiServer
+from apiserver import KUBE_BIN, NODE, ApiServer
 
 from agent.kube.node import ApiError, NodeApi
 
-KUBECTL = Path(__file__).resolve().parents[2] / ".cache" / "testbin" / "kubectl"
+KUBECTL = KUBE_BIN / "kubectl"
 
 
 def write_kubeconfig(path: Path, cluster: dict[str, object], user: dict[str, object]) -> Path:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import yaml
-from apiserver import NODE, OTHER_NODE, REPO, SERVICE_ACCOUNT_ISSUER, TESTBIN, ApiServer
+from apiserver import KUBE_BIN, NODE, OTHER_NODE, REPO, SERVICE_ACCOUNT_ISSUER, ApiServer
 
-KUBECTL = TESTBIN / "kubectl"
+KUBECTL = KUBE_BIN / "kubectl"
 BASE = REPO / "daemonset"
 NAMESPACE = "gpu-node-agent"
 ACCOUNT = "gpu-node-agent"

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.releases import kube_release
+
 REPO = Path(__file__).resolve().parents[2]
 TESTBIN = Path(os.environ.get("TESTBIN_DIR", REPO / ".cache" / "testbin"))
 HELM = TESTBIN / "helm"
@@ -30,7 +32,9 @@ def helm() -> None:
 
 
 def render(*sets: str) -> list[dict[str, Any]]:
-    args = [str(HELM), "template", "gpu-node-agent", str(CHART), "--namespace", "gpu-node-agent"]
+    # No cluster is asked: render for the rig's release, as the chart's kubeVersion (>= 1.35) needs offline.
+    args = [str(HELM), "template", "gpu-node-agent", str(CHART), "--namespace", "gpu-node-agent",
+            "--kube-version", f"{kube_release()}.0"]
     for value in sets:
         args += ["--set", value]
     out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout

@@ -24,6 +24,8 @@ from agent.kube.reconciler import NodeClient
 from agent.kube.view import Condition, NodeView, is_conflict, is_expired
 from agent.simulate import InMemoryNode
 
+pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
+
 TAINT = {"key": "gpu-node-agent.io/gpu-fault", "value": "true", "effect": "NoSchedule"}
 FOREIGN_TAINT = {"key": "dedicated", "value": "ml", "effect": "NoSchedule"}
 WATCH_S = 10.0

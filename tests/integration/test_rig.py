@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from apiserver import NODE, OTHER_NODE, ApiServer, group_alive, pinned_versions, running, wait_until
+from apiserver import (
+    NODE,
+    OTHER_NODE,
+    TESTBIN_SCRIPT,
+    ApiServer,
+    group_alive,
+    pinned_versions,
+    running,
+    wait_until,
+)
 from kubernetes import client as k8s
+
+from tests.releases import kube_release
 
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
@@ -34,10 +47,24 @@ def scratch_node(core: k8s.CoreV1Api) -> Iterator[str]:
 
 def test_server_reports_the_pinned_version(apiserver: ApiServer) -> None:
     pinned = pinned_versions()["kube-apiserver"]
-    assert re.fullmatch(r"v1\.34\.\d+", pinned), pinned
+    release = kube_release()  # KUBE, or the newest release pinned
+    assert re.fullmatch(rf"v{re.escape(release)}\.\d+", pinned), pinned
     info = k8s.VersionApi(apiserver.admin_client()).get_code()
     assert info.git_version == pinned
-    assert (info.major, info.minor) == ("1", "34")
+    assert f"{info.major}.{info.minor}" == release
+    assert apiserver.release() == tuple(int(x) for x in release.split("."))
+
+
+def test_without_kube_the_rig_is_the_newest_release_and_each_release_has_its_own_binaries() -> None:
+    out = subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True,
+                         check=True, env={k: v for k, v in os.environ.items() if k != "KUBE"}).stdout
+    assert out.splitlines()[0] == "kube-apiserver v1.37.2"
+    dirs = {r: subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-dir"], capture_output=True, text=True,
+                              check=True, env={**os.environ, "KUBE": r}).stdout.strip() for r in ("1.35", "1.37")}
+    assert {r: Path(d).name for r, d in dirs.items()} == {"1.35": "kube-1.35", "1.37": "kube-1.37"}
+    refused = subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True,
+                             check=False, env={**os.environ, "KUBE": "1.34"})
+    assert (refused.returncode, refused.stderr) == (2, "KUBE=1.34: no such release here (known: 1.35 1.36 1.37)\n")
 
 
 def test_fixture_nodes_exist(core: k8s.CoreV1Api) -> None:

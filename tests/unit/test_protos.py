@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GENERATED = [
     f"agent/{package}/{name}"
     for package in ("deviceplugin/v1beta1", "podresources_v1", "dra/v1", "dra/v1beta1", "dra/pluginregistration",
-                    "dra/health_v1alpha1")
+                    "dra/health_v1alpha1", "dra/health_v1")
     for name in ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py", "api_pb2_grpc.pyi")
 ]
 
@@ -186,3 +186,35 @@ def test_dra_health_wire_contract() -> None:
     }
     status = health.DESCRIPTOR.enum_types_by_name["HealthStatus"]
     assert {v.name: v.number for v in status.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+
+
+def test_dra_health_v1_wire_contract() -> None:
+    """k8s.io/kubelet/pkg/apis/dra-health/v1/api.proto (Kubernetes 1.37): /v1.DRAResourceHealth/NodeWatchResources,
+    v1alpha1's messages with two more fields, so a v1alpha1 response read as v1 keeps every field."""
+    from agent.dra.health_v1 import api_pb2 as health
+    from agent.dra.health_v1alpha1 import api_pb2 as alpha
+
+    assert health.DESCRIPTOR.package == "v1"
+    methods = {f"/{s.full_name}/{m.name}": (m.input_type.name, m.output_type.name, m.client_streaming,
+                                              m.server_streaming)
+               for s in health.DESCRIPTOR.services_by_name.values() for m in s.methods}
+    assert methods == {"/v1.DRAResourceHealth/NodeWatchResources": (
+        "NodeWatchResourcesRequest", "NodeWatchResourcesResponse", False, True)}
+    fields = {(m.name, f.name): (f.number, f.message_type.name if f.message_type else
+                                 f.enum_type.name if f.enum_type else SCALARS[f.type])
+              for m in health.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert fields == {
+        ("DeviceIdentifier", "pool_name"): (1, "string"), ("DeviceIdentifier", "device_name"): (2, "string"),
+        ("DeviceHealth", "device"): (1, "DeviceIdentifier"), ("DeviceHealth", "health"): (2, "HealthStatus"),
+        ("DeviceHealth", "last_updated_time"): (3, "int64"),
+        ("DeviceHealth", "health_check_timeout_seconds"): (4, "int64"), ("DeviceHealth", "message"): (5, "string"),
+        ("NodeWatchResourcesResponse", "devices"): (1, "DeviceHealth"),
+    }
+    status = health.DESCRIPTOR.enum_types_by_name["HealthStatus"]
+    assert {v.name: v.number for v in status.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    sent = alpha.NodeWatchResourcesResponse(devices=[alpha.DeviceHealth(
+        device=alpha.DeviceIdentifier(pool_name="node", device_name="gpu-1"), health=alpha.UNHEALTHY,
+        last_updated_time=1700000000)])
+    read = health.NodeWatchResourcesResponse.FromString(sent.SerializeToString())
+    assert [(d.device.pool_name, d.device.device_name, d.health, d.last_updated_time) for d in read.devices] == [
+        ("node", "gpu-1", health.UNHEALTHY, 1700000000)]

@@ -17,15 +17,17 @@ import (
 	"time"
 	"unsafe"
 
-	cadvisorapi "github.com/google/cadvisor/info/v1"
+	cadvisorapi "github.com/google/cadvisor/lib/model"
 	"google.golang.org/grpc"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	"k8s.io/kubernetes/pkg/kubelet/cm/containermap"
 	"k8s.io/kubernetes/pkg/kubelet/cm/devicemanager"
 	plugin "k8s.io/kubernetes/pkg/kubelet/cm/devicemanager/plugin/v1beta1"
 	"k8s.io/kubernetes/pkg/kubelet/cm/topologymanager"
+	"k8s.io/kubernetes/pkg/kubelet/lifecycle"
 )
 
 // newManagerImpl is the device manager's own constructor. The exported
@@ -34,8 +36,20 @@ import (
 // what the kubelet's own tests use.
 //
 //go:linkname newManagerImpl k8s.io/kubernetes/pkg/kubelet/cm/devicemanager.newManagerImpl
-func newManagerImpl(socketPath string, topology []cadvisorapi.Node,
+func newManagerImpl(logger klog.Logger, socketPath string, topology []cadvisorapi.Node,
 	topologyAffinityStore topologymanager.Store) (*devicemanager.ManagerImpl, error)
+
+// The kubelet's logger (klog, which main sends to kubelet.log) and a context
+// carrying it: the device manager takes one or the other on every call since
+// Kubernetes 1.35.
+var (
+	logger = klog.Background()
+	ctx    = klog.NewContext(context.Background(), logger)
+)
+
+// admission is the pod lifecycle operation the harness admits pods under: a
+// new pod, as the kubelet's admit handler sees it.
+const admission = lifecycle.AddOperation
 
 // The machine the harness pretends to be: two NUMA nodes, as on a DGX H100.
 var machineNUMANodes = []cadvisorapi.Node{{Id: 0}, {Id: 1}}
@@ -45,11 +59,12 @@ var machineNUMANodes = []cadvisorapi.Node{{Id: 0}, {Id: 1}}
 // device manager leaves the choice of devices to GetPreferredAllocation.
 type noAffinity struct{}
 
-func (noAffinity) GetAffinity(string, string) topologymanager.TopologyHint {
+func (noAffinity) GetAffinity(klog.Logger, string, string) topologymanager.TopologyHint {
 	return topologymanager.TopologyHint{}
 }
 
 func (noAffinity) GetPolicy() topologymanager.Policy { return topologymanager.NewNonePolicy() }
+func (noAffinity) Name() string                      { return "topology-manager" }
 
 type allSourcesReady struct{}
 
@@ -138,12 +153,14 @@ func (r *recorder) waitFor(timeout time.Duration, cond func() bool) bool {
 	}
 }
 
-func (r *recorder) CleanupPluginDirectory(dir string) error { return r.m.CleanupPluginDirectory(dir) }
+func (r *recorder) CleanupPluginDirectory(l klog.Logger, dir string) error {
+	return r.m.CleanupPluginDirectory(l, dir)
+}
 
-func (r *recorder) PluginConnected(resource string, p plugin.DevicePlugin) error {
+func (r *recorder) PluginConnected(ctx context.Context, resource string, p plugin.DevicePlugin) error {
 	rp := &recordingPlugin{DevicePlugin: p, rec: r}
 	rp.client = &recordingClient{DevicePluginClient: p.API(), rec: r, resource: resource}
-	err := r.m.PluginConnected(resource, rp)
+	err := r.m.PluginConnected(ctx, resource, rp)
 	if err == nil {
 		r.record(func() {
 			r.connections = append(r.connections, connection{
@@ -154,10 +171,12 @@ func (r *recorder) PluginConnected(resource string, p plugin.DevicePlugin) error
 	return err
 }
 
-func (r *recorder) PluginDisconnected(resource string) { r.m.PluginDisconnected(resource) }
+func (r *recorder) PluginDisconnected(l klog.Logger, resource, socket string) {
+	r.m.PluginDisconnected(l, resource, socket)
+}
 
-func (r *recorder) PluginListAndWatchReceiver(resource string, resp *pluginapi.ListAndWatchResponse) {
-	r.m.PluginListAndWatchReceiver(resource, resp)
+func (r *recorder) PluginListAndWatchReceiver(logger klog.Logger, resource string, resp *pluginapi.ListAndWatchResponse) {
+	r.m.PluginListAndWatchReceiver(logger, resource, resp)
 	l := listing{resource: resource, at: time.Now()}
 	for _, d := range resp.Devices {
 		if d.Health != pluginapi.Healthy {
@@ -231,12 +250,12 @@ type kubelet struct {
 // socket in dir (CleanupPluginDirectory) and listens on kubelet.sock.
 func startKubelet(dir string, activePods func() []*v1.Pod) (*kubelet, error) {
 	socket := filepath.Join(dir, "kubelet.sock")
-	m, err := newManagerImpl(socket, machineNUMANodes, noAffinity{})
+	m, err := newManagerImpl(logger, socket, machineNUMANodes, noAffinity{})
 	if err != nil {
 		return nil, fmt.Errorf("creating the device manager: %w", err)
 	}
 	rec := newRecorder(m)
-	srv, err := plugin.NewServer(socket, rec, rec)
+	srv, err := plugin.NewServer(logger, socket, rec, rec)
 	if err != nil {
 		return nil, fmt.Errorf("creating the registration server: %w", err)
 	}
@@ -244,7 +263,7 @@ func startKubelet(dir string, activePods func() []*v1.Pod) (*kubelet, error) {
 		return nil, err
 	}
 	startedAt := time.Now()
-	err = m.Start(activePods, allSourcesReady{}, containermap.NewContainerMap(), sets.New[string]())
+	err = m.Start(logger, activePods, allSourcesReady{}, containermap.NewContainerMap(), sets.New[string]())
 	if err != nil {
 		return nil, fmt.Errorf("starting the device manager: %w", err)
 	}
@@ -253,7 +272,7 @@ func startKubelet(dir string, activePods func() []*v1.Pod) (*kubelet, error) {
 
 // stop ends this life: the registration server disconnects every plugin and
 // stops serving kubelet.sock.
-func (k *kubelet) stop() error { return k.manager.Stop() }
+func (k *kubelet) stop() error { return k.manager.Stop(logger) }
 
 // setRegistrationServer swaps the manager's registration server for one whose
 // client handler is the recorder. The manager keeps it in an unexported field,

@@ -434,7 +434,7 @@ func (h *harness) checkCapacity(k *kubelet, name string) map[string]*pluginapi.D
 		return nil
 	}
 	r.pass(name, "capacity %s=%d allocatable=%d", o.resource, capacity, allocatable)
-	return k.manager.GetAllocatableDevices()[o.resource]
+	return k.manager.GetAllocatableDevices(logger)[o.resource]
 }
 
 func (k *kubelet) capacity(name string) (capacity, allocatable int64) {
@@ -444,7 +444,7 @@ func (k *kubelet) capacity(name string) (capacity, allocatable int64) {
 // managerCapacity is the capacity and allocatable the manager reports for a
 // resource, as the kubelet puts them in the node's status.
 func managerCapacity(m *devicemanager.ManagerImpl, name string) (capacity, allocatable int64) {
-	c, a, _ := m.GetCapacity()
+	c, a, _ := m.GetCapacity(logger)
 	rn := v1.ResourceName(name)
 	if q, ok := c[rn]; ok {
 		capacity = q.Value()
@@ -530,7 +530,7 @@ func expectedNode(o *options, id string) string {
 // request of 2 fits either node alone (preferred) or both (not preferred).
 func (h *harness) checkTopologyHints(k *kubelet) {
 	o := h.opts
-	hints := k.manager.GetTopologyHints(h.pod, h.container())[o.resource]
+	hints := k.manager.GetTopologyHints(logger, h.pod, h.container(), admission)[o.resource]
 	got := make([]string, len(hints))
 	for i, hint := range hints {
 		got[i] = formatHint(hint.NUMANodeAffinity.GetBits(), hint.Preferred)
@@ -555,7 +555,7 @@ func formatHint(nodes []int, preferred bool) string {
 // kubelet's admission handler does, and checks both plugin calls it made.
 func (h *harness) checkAllocation(k *kubelet, devices map[string]*pluginapi.Device) {
 	o, r := h.opts, h.report
-	allocErr := k.manager.Allocate(h.pod, h.container())
+	allocErr := k.manager.Allocate(ctx, h.pod, h.container(), admission)
 
 	k.rec.mu.Lock()
 	preferred := slices.Clone(k.rec.preferred)
@@ -671,7 +671,7 @@ func checkContainerEnv(k *kubelet, pod *v1.Pod, container *v1.Container, name st
 	if got := sorted(ids); !slices.Equal(got, allocated) || len(ids) != len(allocated) {
 		return value, fmt.Errorf("%s=%q, want exactly the allocated %v", name, value, allocated)
 	}
-	runOpts, err := k.manager.GetDeviceRunContainerOptions(pod, container)
+	runOpts, err := k.manager.GetDeviceRunContainerOptions(ctx, pod, container)
 	if err != nil {
 		return value, fmt.Errorf("the manager has no run options for the container: %v", err)
 	}

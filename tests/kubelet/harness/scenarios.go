@@ -393,7 +393,7 @@ func (h *harness) checkCapacities(k *kubelet) map[string]map[string]*pluginapi.D
 		return nil
 	}
 	r.pass("capacity", "%s", got)
-	all := k.manager.GetAllocatableDevices()
+	all := k.manager.GetAllocatableDevices(logger)
 	devices := map[string]map[string]*pluginapi.Device{}
 	for _, res := range o.resources {
 		devices[res.name] = all[res.name]
@@ -522,7 +522,7 @@ func (h *harness) checkContainers(k *kubelet, devices map[string]map[string]*plu
 	admitted := map[string]error{}
 	for i := range h.pod.Spec.Containers {
 		c := &h.pod.Spec.Containers[i]
-		admitted[c.Name] = k.manager.Allocate(h.pod, c)
+		admitted[c.Name] = k.manager.Allocate(ctx, h.pod, c, admission)
 	}
 	k.rec.mu.Lock()
 	preferred := slices.Clone(k.rec.preferred)
@@ -689,7 +689,7 @@ func (h *harness) checkDeviceNodes(k *kubelet, granted [][]string, calls []alloc
 	}
 	for i := range h.pod.Spec.Containers {
 		c := &h.pod.Spec.Containers[i]
-		runOpts, err := k.manager.GetDeviceRunContainerOptions(h.pod, c)
+		runOpts, err := k.manager.GetDeviceRunContainerOptions(ctx, h.pod, c)
 		if err != nil {
 			problems = append(problems, fmt.Sprintf("the manager has no run options for container %s: %v", c.Name, err))
 			continue
@@ -727,7 +727,7 @@ func checkContainerCDI(k *kubelet, pod *v1.Pod, container *v1.Container, call al
 	if !slices.Equal(sorted(names), sorted(wanted)) {
 		return "", fmt.Errorf("allocate response names CDI devices %v, want exactly %v", names, sorted(wanted))
 	}
-	runOpts, err := k.manager.GetDeviceRunContainerOptions(pod, container)
+	runOpts, err := k.manager.GetDeviceRunContainerOptions(ctx, pod, container)
 	if err != nil {
 		return "", fmt.Errorf("the manager has no run options for the container: %v", err)
 	}
