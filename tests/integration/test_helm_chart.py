@@ -799,9 +799,11 @@ def test_helm_template_output_applies_to_the_api_server(
         "ValidatingAdmissionPolicy 'edge-gpu-node-agent-own-node' with binding 'edge-gpu-node-agent-own-node' "
         "denied request: gpu-node-agent may change no Node: its token is not bound to a pod on a node"
     )
+    # A label key of this test's own: kubectl sends no patch for a label the Node already has (the install tests
+    # leave gpu-node-agent.io/probe=1 on it), and a request never sent is never refused.
     deadline = time.monotonic() + 30
     while True:
-        refused = unbound("label", "node", NODE, "gpu-node-agent.io/probe=1", "--dry-run=server")
+        refused = unbound("label", "node", NODE, "gpu-node-agent.io/edge-probe=1", "--dry-run=server")
         if refused.returncode != 0 and denial in refused.stderr:
             break
         assert time.monotonic() < deadline, f"the admission policy never took effect: {refused.stderr}"
