@@ -161,17 +161,22 @@ class SlicePublisher:
         sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
         wrote, and a state whose devices are the same costs no request."""
         wrote = False
+        listed: dict[str, Any] | None = None
         if self.verify:
+            listed = {}  # not there, unless the list holds it
             for other in await self._api.list(self.node, self.driver):
                 other_name = (other.get("metadata") or {}).get("name")
-                if other_name and other_name != self.name:
+                if other_name == self.name:
+                    listed = other  # this agent's own slice, as stored: no GET of it needed
+                elif other_name:
                     log.info("deleting stale ResourceSlice %s of driver %s", other_name, self.driver)
                     await self._api.delete(other_name)
                     wrote = True
-        written = await self._write(state)
+        written = await self._write(state, listed)
         return written or wrote
 
-    async def _write(self, state: NodeState) -> bool:
+    async def _write(self, state: NodeState, listed: dict[str, Any] | None = None) -> bool:
+        """`listed`: the slice as a LIST just read it ({} where it was not there), None where not listed."""
         read = self.verify or self._stored is None
         while True:
             wanted = slice_spec(state, self.node, self.driver, 0, self._pcie_root,
@@ -180,7 +185,10 @@ class SlicePublisher:
             tainted = {d["name"] for d in devices if d.get("taints")}
             if not read and self._written is not None and self._written[1] == devices:
                 return False  # what this agent last wrote, and nothing says it changed since
-            have = await self._api.get(self.name) if read else self._stored
+            if read and listed is not None:
+                have, listed = listed or None, None  # a second pass reads it again
+            else:
+                have = await self._api.get(self.name) if read else self._stored
             body: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "spec": wanted}
             if have is not None:
                 meta = have.get("metadata") or {}

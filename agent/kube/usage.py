@@ -55,18 +55,23 @@ class ApiCounts:
 
 
 
+CAP_JITTER = 0.3
+"""A wait at the cap is the cap times 1 to 1 + this."""
+
+
 class Backoff:
     """Exponential backoff with jitter for a loop that talks to the API server.
 
     The first failure of an episode waits a random time in [first_min, first_max], so that a fleet whose
     connections all broke at once (an API server restart) comes back spread out; each further failure waits
-    twice as long (times a jitter of 0.75 to 1.25) up to a cap: `cap` while the server does not answer (a
-    refused connection costs it nothing, and a fleet must be back soon after it is) or for the first
+    twice as long (times a jitter of 0.75 to 1.25) up to a cap, and at the cap a random time in
+    [cap, (1 + CAP_JITTER) * cap]: `cap` while the server does not answer (a refused connection costs it
+    nothing, and a fleet must be back soon after it is) or for the first
     `patient_s` of an episode, then `answered_cap` for failures the server answered (a refusal that persists,
     such as missing RBAC, is asked again once a minute, not six times). A Retry-After is a floor.
     `succeeded()` ends the episode; a caller calls it only after what counts as a lasting success."""
 
-    def __init__(self, first_min: float = 1.0, first_max: float = 11.0, cap: float = 10.0,
+    def __init__(self, first_min: float = 1.0, first_max: float = 13.0, cap: float = 10.0,
                  answered_cap: float = 60.0, patient_s: float = 120.0, rng: random.Random | None = None,
                  clock: Any = time.monotonic) -> None:
         self.first_min, self.first_max, self.cap = first_min, first_max, cap
@@ -86,7 +91,12 @@ class Backoff:
         else:
             answered = isinstance(err, ApiError)
             cap = self.answered_cap if answered and now - self._since >= self.patient_s else self.cap
-            delay = min(cap, max(self._last * 2, self.first_min)) * self._rng.uniform(0.75, 1.25)
+            doubled = max(self._last * 2, self.first_min)
+            # Below the cap, twice the last wait with jitter either way; at the cap, never less than the cap:
+            # a fleet waiting out an outage comes back spread over up to 1.3 * cap after the server is, every
+            # agent within that, and no agent's retries bunch below the cap.
+            delay = (doubled * self._rng.uniform(0.75, 1.25) if doubled < cap else
+                     cap * self._rng.uniform(1.0, 1.0 + CAP_JITTER))
         retry_after = err.retry_after if isinstance(err, ApiError) else None
         delay = max(delay, retry_after or 0.0)
         self._last = delay  # the next failure doubles what was waited, a Retry-After included

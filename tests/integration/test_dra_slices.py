@@ -145,6 +145,24 @@ async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServ
         assert found["spec"]["pool"]["generation"] == 2
 
 
+def slice_requests(agent: Any) -> dict[tuple[str, str], int]:
+    """The agent's requests for ResourceSlices, by verb and answer code, as it counts them for /metrics."""
+    return {(verb, code): n for (verb, resource, code), n in agent.api_counts.requests.items()
+            if resource == "resourceslices"}
+
+
+async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    """At start the agent looks for its slice with one LIST (which also finds stale ones) and creates it; a later
+    check of a slice nobody changed (a kubelet re-registration, the half-hourly recheck) is that LIST alone."""
+    async with dra_agent(apiserver, agent_kubeconfig, "dra-cost", "a100-pcie-nvlink-pairs") as (agent, _):
+        assert slice_requests(agent) == {("list", "200"): 1, ("post", "201"): 1}
+        assert agent.dra is not None
+        agent.dra.slices.published.clear()
+        agent.dra.slices.republish()
+        await asyncio.wait_for(agent.dra.slices.published.wait(), 10)
+        assert slice_requests(agent) == {("list", "200"): 2, ("post", "201"): 1}
+
+
 async def test_the_scheduler_keeps_a_two_gpu_claim_on_one_nvlink_pair(
         apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
     async with dra_agent(apiserver, agent_kubeconfig, "dra-pairs", "a100-pcie-nvlink-pairs"):

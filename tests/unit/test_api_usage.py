@@ -30,18 +30,22 @@ def delays(backoff: Backoff, clock: Clock, errors: list[BaseException | None]) -
     return out
 
 
-def test_the_first_failure_is_spread_over_ten_seconds() -> None:
+def test_the_first_failure_is_spread_over_twelve_seconds() -> None:
     """A fleet whose watches all broke at once (an API server restart) must not come back at once."""
     firsts = [Backoff(rng=random.Random(seed)).next_delay(ConnectionError()) for seed in range(200)]
-    assert min(firsts) >= 1.0 and max(firsts) <= 11.0
-    assert max(firsts) - min(firsts) >= 9.0  # spread over the whole range, not bunched
+    assert min(firsts) >= 1.0 and max(firsts) <= 13.0
+    assert max(firsts) - min(firsts) >= 11.0  # spread over the whole range, not bunched
 
 
-def test_failures_the_server_does_not_answer_wait_at_most_twelve_and_a_half_seconds() -> None:
+def test_failures_the_server_does_not_answer_wait_ten_to_thirteen_seconds() -> None:
+    """Through an outage each agent asks about five times a minute, never more often than every 10 s, and is back
+    at most 13 s after the server is; a fleet's retries, each at its own phase, come back spread over 10 s or
+    more."""
     clock = Clock()
     backoff = Backoff(rng=random.Random(1), clock=clock)
     waited = delays(backoff, clock, [ConnectionError()] * 40)  # 40 refused connections: minutes of outage
-    assert max(waited[1:]) <= 12.5 and min(waited[2:]) >= 7.5
+    assert max(waited) <= 13.0 and min(waited[8:]) >= 10.0  # the cap is reached by the seventh, whatever the draws
+    assert max(waited[8:]) - min(waited[8:]) >= 2.5  # jittered at the cap too, not in lockstep
 
 
 def test_a_refusal_that_persists_is_asked_again_once_a_minute_after_two_minutes() -> None:
@@ -54,9 +58,9 @@ def test_a_refusal_that_persists_is_asked_again_once_a_minute_after_two_minutes(
     elapsed = 0.0
     for delay in waited:
         if elapsed < 120:
-            assert delay <= 12.5
+            assert delay <= 13.0
         elif elapsed >= 240:
-            assert 45.0 <= delay <= 75.0
+            assert 60.0 <= delay <= 78.0
         elapsed += delay
     assert elapsed > 600  # the slow part was reached and checked
 
@@ -65,9 +69,9 @@ def test_retry_after_is_a_floor_and_success_starts_over() -> None:
     clock = Clock()
     backoff = Backoff(rng=random.Random(3), clock=clock)
     assert backoff.next_delay(ApiError(429, "TooManyRequests", "slow down", retry_after=40.0)) == 40.0
-    assert backoff.next_delay(ApiError(503, "ServiceUnavailable", "starting", retry_after=1.0)) >= 7.5
+    assert backoff.next_delay(ApiError(503, "ServiceUnavailable", "starting", retry_after=1.0)) >= 10.0
     backoff.succeeded()
-    assert 1.0 <= backoff.next_delay(ConnectionError()) <= 11.0
+    assert 1.0 <= backoff.next_delay(ConnectionError()) <= 13.0
 
 
 def test_an_answer_carries_its_retry_after_and_a_bounded_message() -> None:
