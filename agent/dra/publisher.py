@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 RECHECK_S = 1800.0
 """How often the slice is read back to see nobody changed or deleted it (times 1 to 1.5, so that a fleet's
-checks do not line up): twice an hour or less, against one LIST and one GET every 30 s before."""
+checks do not line up): one LIST twice an hour or less."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 UNDECIDED, TAINTS, WITHDRAWAL = "undecided", "taints", "withdrawal"
