@@ -346,7 +346,8 @@ def cmd_mig(args: argparse.Namespace) -> int:
     from agent.mig.applier import Journal, apply_layout, plan_layout, planned_steps
     from agent.mig.layout import LayoutError, load_layouts
     from agent.mig.planner import PlanError
-    from agent.nvml.backend import MigCallError, MigOps, NvmlUnavailable
+    from agent.nvml.backend import NvmlUnavailable
+    from agent.nvml.mig_ops import MigCallError, MigOps
 
     try:
         layout = load_layouts(args.mig_config).layout(args.layout)

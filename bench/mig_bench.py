@@ -18,8 +18,9 @@ from typing import Any
 from agent.mig.applier import Journal, apply_layout
 from agent.mig.layout import MigLayout, load_layouts
 from agent.mig.planner import ModeChange
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from bench.grpc_bench import latency, percentile
 

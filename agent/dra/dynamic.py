@@ -38,8 +38,9 @@ from agent.dra.slices import (
     slice_name,
     slice_spec,
 )
-from agent.nvml.backend import MigCallError, MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.catalog import MODELS, MigProfile, Placement
+from agent.nvml.mig_ops import MigCallError, MigOps
 from agent.state import NodeState, StateBus
 from agent.topology.prefer import topology_of
 from agent.yamlfile import CheckpointError, read_checkpoint, write_checkpoint

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from agent.dra.pci import sysfs_pcie_root
 from agent.dra.slices import PcieRootLookup, slice_name, slice_spec, taint_key
 from agent.kube.client import ApiClient
 from agent.kube.node import NodeApi
 from agent.kube.usage import ApiError, Backoff
 from agent.kube.view import describe_error
+from agent.nvml.sysfs import sysfs_pcie_root
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)

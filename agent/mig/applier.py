@@ -18,7 +18,7 @@ from typing import Literal
 
 from agent.mig.layout import MigLayout
 from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
-from agent.nvml.backend import MigCallError, MigGpuState, MigOps, MigResetRequired
+from agent.nvml.mig_ops import MigCallError, MigGpuState, MigOps, MigResetRequired
 from agent.yamlfile import write_atomically
 
 JOURNAL = "mig-journal.json"

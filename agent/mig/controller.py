@@ -17,7 +17,8 @@ from agent.metrics import Metrics
 from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
+from agent.nvml.mig_ops import MigOps
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
 from agent.yamlfile import clip, one_line

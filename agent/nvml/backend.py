@@ -1,21 +1,22 @@
 """Reads the node through NVML into the records of agent/nvml/records.py; one implementation for the real library
-and the fake. NVML's own errors stay inside agent/nvml/: what leaves is NvmlUnavailable, MigCallError or a
+and the fake. `NvmlBackend` owns NVML's initialisation, the device handles, the inventory, health readings and
+XID events; `open_backend` chooses the library. MIG reads and changes are in mig_ops.py, sysfs facts in
+sysfs.py. NVML's own errors stay inside agent/nvml/: what leaves is NvmlUnavailable, MigCallError or a
 record."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import pynvml
 
-from agent.nvml.catalog import MODELS, MigProfile, Placement
 from agent.nvml.records import DriverInfo, GpuInfo, HealthReading, MigDeviceInfo, NodeInventory, PairLink, XidEvent
+from agent.nvml.sysfs import sysfs_numa_node, sysfs_pci_class
 
 PCIE_LEVELS: dict[int, str] = {
     pynvml.NVML_TOPOLOGY_INTERNAL: "single",
@@ -43,43 +44,12 @@ WHOLE_GPU = 0xFFFFFFFF
 
 NumaLookup = Callable[[str], int | None]
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used: no driver, no library, or initialisation failed."""
 
 
-def sysfs_numa_node(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> int | None:
-    """Linux NUMA node of a PCI device, or None when the platform reports none.
-
-    NVML's busId carries an 8-digit domain ("00000000:17:00.0"); sysfs uses 4 digits ("0000:17:00.0").
-    """
-    bdf = bus_id.lower()
-    domain, sep, rest = bdf.partition(":")
-    if sep and len(domain) == 8:
-        bdf = domain[4:] + ":" + rest
-    try:
-        value = int((root / bdf / "numa_node").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return value if value >= 0 else None
-
-
-def sysfs_pci_class(bus_id: str, root: Path = Path("/sys/bus/pci/devices")) -> int | None:
-    """The PCI class code of a device from sysfs (``class``, e.g. 0x030200), or None when unreadable."""
-    bdf = bus_id.lower()
-    domain, sep, rest = bdf.partition(":")
-    if sep and len(domain) == 8:
-        bdf = domain[4:] + ":" + rest
-    try:
-        return int((root / bdf / "class").read_text().strip(), 16)
-    except (OSError, ValueError):
-        return None
-
-
-def _text(value: Any) -> str:
+def nvml_text(value: Any) -> str:
+    """A string NVML returned (bytes with a trailing NUL, or str) as text."""
     if isinstance(value, bytes):
         return value.decode(errors="replace").rstrip("\x00")
     return str(value)
@@ -119,11 +89,24 @@ class NvmlBackend:
         for i in range(self.lib.nvmlDeviceGetCount()):
             try:
                 handle = self.lib.nvmlDeviceGetHandleByIndex(i)
-                self._uuid_by_handle[_address(handle)] = _text(self.lib.nvmlDeviceGetUUID(handle))
+                self._uuid_by_handle[_address(handle)] = nvml_text(self.lib.nvmlDeviceGetUUID(handle))
                 self._handles.append(handle)
             except pynvml.NVMLError_GpuIsLost:
                 # A GPU already off the bus has no handle and no UUID to advertise; it is reported, not served.
                 self.lost_at_start.append(i)
+
+    @property
+    def handles(self) -> Sequence[Any]:
+        """The device handle of each GPU NVML served at init, by NVML index (for the other readers of
+        agent/nvml/: MIG operations and dcgm-exporter's fields)."""
+        return self._handles
+
+    def handle(self, index: int) -> Any:
+        return self._handles[index]
+
+    def refresh_handle(self, index: int) -> None:
+        """Take the GPU's handle again: NVML enumerates handles anew after a MIG mode change."""
+        self._handles[index] = self.lib.nvmlDeviceGetHandleByIndex(index)
 
     def problem(self) -> str | None:
         """Why the library cannot serve right now, where it can tell (the fake's unusable state file); None
@@ -142,7 +125,7 @@ class NvmlBackend:
     def driver(self) -> DriverInfo:
         cuda = int(self.lib.nvmlSystemGetCudaDriverVersion())
         return DriverInfo(
-            version=_text(self.lib.nvmlSystemGetDriverVersion()),
+            version=nvml_text(self.lib.nvmlSystemGetDriverVersion()),
             cuda=f"{cuda // 1000}.{(cuda % 1000) // 10}",
         )
 
@@ -158,7 +141,7 @@ class NvmlBackend:
 
     def _gpu(self, index: int, h: Any) -> GpuInfo:
         lib = self.lib
-        bus_id = _text(lib.nvmlDeviceGetPciInfo(h).busId)
+        bus_id = nvml_text(lib.nvmlDeviceGetPciInfo(h).busId)
         major, minor = lib.nvmlDeviceGetCudaComputeCapability(h)
         mig_capable, mig_enabled, mig_pending = False, False, False
         try:
@@ -178,8 +161,8 @@ class NvmlBackend:
             brand = None
         return GpuInfo(
             index=index,
-            uuid=_text(lib.nvmlDeviceGetUUID(h)),
-            name=_text(lib.nvmlDeviceGetName(h)),
+            uuid=nvml_text(lib.nvmlDeviceGetUUID(h)),
+            name=nvml_text(lib.nvmlDeviceGetName(h)),
             pci_bus_id=bus_id,
             minor=int(lib.nvmlDeviceGetMinorNumber(h)),
             memory_mib=int(lib.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024),
@@ -210,7 +193,7 @@ class NvmlBackend:
                 kind = lib.nvmlDeviceGetNvLinkRemoteDeviceType(h, link)
             except pynvml.NVMLError_NotSupported:
                 kind = pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
-            remote = _text(lib.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
+            remote = nvml_text(lib.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId)
             yield kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH, _norm_bus_id(remote)
 
     def _links(self, gpus: tuple[GpuInfo, ...]) -> tuple[PairLink, ...]:
@@ -240,7 +223,7 @@ class NvmlBackend:
                 info = self.lib.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
             except pynvml.NVMLError:
                 continue
-            names[int(info.id)] = _text(info.name).removeprefix("MIG ")
+            names[int(info.id)] = nvml_text(info.name).removeprefix("MIG ")
         return names
 
     def _mig_devices(self, index: int) -> list[MigDeviceInfo]:
@@ -258,7 +241,7 @@ class NvmlBackend:
             attrs = lib.nvmlDeviceGetAttributes(mh)
             devices.append(
                 MigDeviceInfo(
-                    uuid=_text(lib.nvmlDeviceGetUUID(mh)),
+                    uuid=nvml_text(lib.nvmlDeviceGetUUID(mh)),
                     parent_index=index,
                     gpu_instance_id=gi_id,
                     compute_instance_id=int(lib.nvmlDeviceGetComputeInstanceId(mh)),
@@ -286,7 +269,7 @@ class NvmlBackend:
         lib = self.lib
         h = self._handles[index]
         try:
-            uuid = _text(lib.nvmlDeviceGetUUID(h))
+            uuid = nvml_text(lib.nvmlDeviceGetUUID(h))
         except pynvml.NVMLError_GpuIsLost:
             return HealthReading(uuid="", lost=True)
 
@@ -354,7 +337,7 @@ class NvmlBackend:
         gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
         uuid = self._uuid_by_handle.get(_address(data.device))
         return XidEvent(
-            gpu_uuid=uuid if uuid is not None else _text(self.lib.nvmlDeviceGetUUID(data.device)),
+            gpu_uuid=uuid if uuid is not None else nvml_text(self.lib.nvmlDeviceGetUUID(data.device)),
             xid=xid,
             gpu_instance_id=None if gi == WHOLE_GPU else gi,
             compute_instance_id=None if ci == WHOLE_GPU else ci,
@@ -383,196 +366,3 @@ def fake_backend(fake: Any) -> NvmlBackend:
     """A backend over the fake NVML, with the sysfs facts (NUMA node, PCI class) the fake's node gives."""
     return NvmlBackend(lib=fake, numa_lookup=fake.numa_node, pci_class_lookup=fake.pci_class)
 
-
-# -- MIG: reading GPU instances and changing them (only agent/mig/ calls these) --------------------------
-
-
-@dataclass(frozen=True)
-class GpuInstanceInfo:
-    gpu_instance_id: int
-    profile: str
-    start: int
-    size: int
-    compute_instances: int
-
-
-@dataclass(frozen=True)
-class MigGpuState:
-    """One GPU's MIG state as NVML reports it, for planning a layout."""
-
-    index: int
-    name: str
-    pci_device_id: int
-    mig_capable: bool
-    mig_enabled: bool
-    mig_pending: bool
-    profiles: tuple[MigProfile, ...]
-    instances: tuple[GpuInstanceInfo, ...]
-
-
-class MigResetRequired(RuntimeError):
-    """The MIG mode change is pending until the GPU is reset."""
-
-
-class MigCallError(RuntimeError):
-    """An NVML call of a MIG read or change failed; the message is NVML's (e.g. "Insufficient Resources")."""
-
-
-def _mig_call(method: Callable[P, R]) -> Callable[P, R]:
-    """MigOps' public methods: an NVML error leaves as MigCallError."""
-
-    @functools.wraps(method)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return method(*args, **kwargs)
-        except pynvml.NVMLError as err:
-            raise MigCallError(str(err)) from err
-
-    return call
-
-
-_CI_FULL_PROFILE = {1: "1", 2: "2", 3: "3", 4: "4", 6: "6", 7: "7", 8: "8"}
-
-
-def _ci_profile_index(slices: int) -> int:
-    return int(getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{_CI_FULL_PROFILE.get(slices, '1')}_SLICE"))
-
-
-class MigOps:
-    """MIG reads and writes through the backend's library; methods run on the NVML thread.
-
-    A failing NVML call raises MigCallError with NVML's message, so callers need no pynvml.
-    """
-
-    def __init__(self, backend: NvmlBackend) -> None:
-        self._b = backend
-
-    @property
-    def lib(self) -> Any:
-        return self._b.lib
-
-    def _handle(self, index: int) -> Any:
-        return self._b._handles[index]
-
-    def _refresh_handle(self, index: int) -> None:
-        # Handles are re-enumerated after a MIG mode change.
-        self._b._handles[index] = self.lib.nvmlDeviceGetHandleByIndex(index)
-
-    def _profiles_from_nvml(self, h: Any) -> tuple[MigProfile, ...]:
-        lib = self.lib
-        profiles = []
-        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-            try:
-                info = lib.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-            except pynvml.NVMLError:
-                continue
-            count = ctypes.c_uint(0)
-            lib.nvmlDeviceGetGpuInstancePossiblePlacements(h, int(info.id), None, ctypes.byref(count))
-            array = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
-            lib.nvmlDeviceGetGpuInstancePossiblePlacements(h, int(info.id), array, ctypes.byref(count))
-            slices = int(info.sliceCount)
-            ci_index = _ci_profile_index(slices)
-            profiles.append(MigProfile(
-                name=_text(info.name).removeprefix("MIG "), index=index, id=int(info.id), slice_count=slices,
-                instance_count=int(info.instanceCount), memory_size_mib=int(info.memorySizeMB),
-                multiprocessor_count=int(info.multiprocessorCount),
-                placements=tuple(Placement(int(p.start), int(p.size)) for p in array[: count.value]),
-                ci_profile_index=ci_index, ci_profile_id=ci_index, copy_engines=int(info.copyEngineCount),
-                decoders=int(info.decoderCount), encoders=int(info.encoderCount), jpegs=int(info.jpegCount),
-                ofas=int(info.ofaCount),
-            ))
-        return tuple(profiles)
-
-    @_mig_call
-    def state(self, index: int) -> MigGpuState:
-        lib = self.lib
-        h = self._handle(index)
-        name = _text(lib.nvmlDeviceGetName(h))
-        pci_device_id = int(lib.nvmlDeviceGetPciInfo(h).pciDeviceId)
-        try:
-            current, pending = lib.nvmlDeviceGetMigMode(h)
-        except pynvml.NVMLError_NotSupported:
-            return MigGpuState(index, name, pci_device_id, False, False, False, (), ())
-        enabled = current == pynvml.NVML_DEVICE_MIG_ENABLE
-        if enabled:
-            profiles = self._profiles_from_nvml(h)
-        else:
-            # Placements can be listed only with MIG on: plan from the known table of this model.
-            profiles = next((m.mig_profiles for m in MODELS.values() if m.nvml_name == name), ())
-        return MigGpuState(index, name, pci_device_id, True, enabled, pending != current, profiles,
-                           self._instances(h, profiles) if enabled else ())
-
-    def _gpu_instances(self, h: Any, profile: MigProfile) -> list[Any]:
-        count = ctypes.c_uint(profile.instance_count)
-        array = (pynvml.c_nvmlGpuInstance_t * max(1, profile.instance_count))()
-        self.lib.nvmlDeviceGetGpuInstances(h, profile.id, array, ctypes.byref(count))
-        return list(array[: count.value])
-
-    def _compute_instances(self, gi: Any, slices: int) -> list[Any]:
-        lib = self.lib
-        info = lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, _ci_profile_index(slices), 0)
-        count = ctypes.c_uint(int(info.instanceCount))
-        array = (pynvml.c_nvmlComputeInstance_t * max(1, count.value))()
-        lib.nvmlGpuInstanceGetComputeInstances(gi, int(info.id), array, ctypes.byref(count))
-        return list(array[: count.value])
-
-    def _instances(self, h: Any, profiles: tuple[MigProfile, ...]) -> tuple[GpuInstanceInfo, ...]:
-        found = []
-        for profile in profiles:
-            for gi in self._gpu_instances(h, profile):
-                info = self.lib.nvmlGpuInstanceGetInfo(gi)
-                found.append(GpuInstanceInfo(
-                    int(info.id), profile.name, int(info.placement.start), int(info.placement.size),
-                    len(self._compute_instances(gi, profile.slice_count)),
-                ))
-        return tuple(sorted(found, key=lambda i: i.start))
-
-    def _find(self, index: int, start: int) -> tuple[Any, MigProfile]:
-        h = self._handle(index)
-        for profile in self.state(index).profiles:
-            for gi in self._gpu_instances(h, profile):
-                if int(self.lib.nvmlGpuInstanceGetInfo(gi).placement.start) == start:
-                    return gi, profile
-        raise LookupError(f"GPU {index} has no GPU instance at slice {start}")
-
-    @_mig_call
-    def destroy(self, index: int, start: int) -> None:
-        """Destroy the GPU instance at `start` and its compute instances."""
-        gi, profile = self._find(index, start)
-        for ci in self._compute_instances(gi, profile.slice_count):
-            self.lib.nvmlComputeInstanceDestroy(ci)
-        self.lib.nvmlGpuInstanceDestroy(gi)
-
-    @_mig_call
-    def set_mode(self, index: int, enabled: bool) -> None:
-        """Switch MIG on or off; MigResetRequired when the change waits for a GPU reset."""
-        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
-        self.lib.nvmlDeviceSetMigMode(self._handle(index), mode)
-        self._refresh_handle(index)
-        current, _ = self.lib.nvmlDeviceGetMigMode(self._handle(index))
-        if current != mode:
-            raise MigResetRequired(
-                f"GPU {index}: MIG {'enable' if enabled else 'disable'} is pending (the GPU is in use or needs a reset)"
-            )
-
-    @_mig_call
-    def create(self, index: int, profile_name: str, start: int) -> None:
-        """Create a GPU instance of `profile_name` at `start`, with one compute instance spanning it."""
-        h = self._handle(index)
-        profile = next(p for p in self.state(index).profiles if p.name == profile_name)
-        placement = pynvml.c_nvmlGpuInstancePlacement_t(start, profile.memory_slices)
-        gi = self.lib.nvmlDeviceCreateGpuInstanceWithPlacement(h, profile.id, ctypes.byref(placement))
-        self._ensure_compute_instance(gi, profile)
-
-    def _ensure_compute_instance(self, gi: Any, profile: MigProfile) -> None:
-        if not self._compute_instances(gi, profile.slice_count):
-            info = self.lib.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, _ci_profile_index(profile.slice_count), 0)
-            self.lib.nvmlGpuInstanceCreateComputeInstance(gi, int(info.id))
-
-    @_mig_call
-    def ensure_compute_instances(self, index: int) -> None:
-        """Give every GPU instance a compute instance (one may be missing after an interrupted apply)."""
-        h = self._handle(index)
-        for profile in self.state(index).profiles:
-            for gi in self._gpu_instances(h, profile):
-                self._ensure_compute_instance(gi, profile)

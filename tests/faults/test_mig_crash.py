@@ -23,8 +23,9 @@ from agent import cli
 from agent.mig.applier import JOURNAL, apply_layout, plan_layout
 from agent.mig.layout import load_layouts, parse_layouts
 from agent.mig.planner import ModeChange, NodePlan
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import CRASH_AFTER_ENV, FakeNvml
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 
 AGENT = [sys.executable, "-m", "agent.cli"]

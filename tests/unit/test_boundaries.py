@@ -370,8 +370,9 @@ def test_the_catalogs_nvml_numbers_are_pynvmls() -> None:
 def test_an_nvml_error_in_a_mig_call_leaves_the_boundary_as_mig_call_error_with_nvmls_message() -> None:
     import pynvml
 
-    from agent.nvml.backend import MigCallError, MigOps, fake_backend
+    from agent.nvml.backend import fake_backend
     from agent.nvml.fake import FakeNvml
+    from agent.nvml.mig_ops import MigCallError, MigOps
     from agent.nvml.nodefile import load_node
 
     fake = FakeNvml(load_node("dgx-h100"))

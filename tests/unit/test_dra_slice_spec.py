@@ -13,12 +13,12 @@ import pytest
 from agent.config import ConfigError, parse_config
 from agent.dra.cdi import claim_spec
 from agent.dra.opaque import ConfigProblem, device_env
-from agent.dra.pci import sysfs_pcie_root
 from agent.dra.slices import plugin_resources, semver, slice_name, slice_spec
 from agent.inventory import plan
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvml.sysfs import sysfs_pcie_root
 from agent.state import DeviceHealth, NodeState, StateBus
 from tests.plugin_harness import carve_mig
 

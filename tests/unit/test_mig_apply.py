@@ -16,8 +16,9 @@ import pytest
 from agent.mig.applier import JOURNAL, ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import MigLayout, load_layouts, parse_layouts
 from agent.mig.planner import GpuMigState
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import NodeSpec, load_node
 
 SHIPPED = load_layouts(None)

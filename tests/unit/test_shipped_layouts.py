@@ -17,8 +17,9 @@ from agent.config import parse_config
 from agent.inventory import plan
 from agent.mig.applier import ApplyResult, apply_layout
 from agent.mig.layout import load_layouts
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState
 

@@ -11,9 +11,10 @@ import pynvml
 import pytest
 
 from agent.config import ConfigError, parse_config
-from agent.nvml.backend import MigOps, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.fields import FieldReader
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from agent.state import NodeState
 from agent.telemetry.collector import Holder, Snapshot, holders_by_device
