@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.topology.allocator import preferred_gpus
+from agent.topology.gpus import preferred_gpus
 from agent.topology.model import Topology
 
 GPUS = 16

@@ -1,1 +1,1 @@
-"""GPU interconnect topology: link matrix, pair scores and the optimal allocator."""
+"""GPU interconnect topology: link matrix, pair scores and the preferred-allocation search."""

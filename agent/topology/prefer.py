@@ -7,8 +7,10 @@ from collections.abc import Callable, Sequence
 from agent.inventory import Device, Resource
 from agent.nvml.records import NodeInventory
 from agent.state import NodeState
-from agent.topology.allocator import ReplicaIndex, preferred_gpus, preferred_mig, preferred_shared, replica_index
+from agent.topology.gpus import preferred_gpus
+from agent.topology.mig_devices import preferred_mig
 from agent.topology.model import Topology
+from agent.topology.replicas import ReplicaIndex, preferred_shared, replica_index
 
 Prefer = Callable[[tuple[Device, ...], Sequence[str], Sequence[str], int], list[str]]
 ANSWERS_KEPT = 4096

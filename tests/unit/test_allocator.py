@@ -9,14 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.topology.allocator import (
-    EXACT_LIMIT,
-    AllocationError,
-    preferred_gpus,
-    preferred_mig,
-    preferred_shared,
-)
+from agent.topology.gpus import EXACT_LIMIT, preferred_gpus
+from agent.topology.mig_devices import preferred_mig
 from agent.topology.model import PCIE_LEVELS, PcieLevel, Topology
+from agent.topology.replicas import preferred_shared
+from agent.topology.request import AllocationError
 
 
 def nvlink_pairs(links01: int = 2, links23: int = 2) -> Topology:

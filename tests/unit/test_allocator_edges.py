@@ -1,13 +1,16 @@
 """Allocator choices that only show on particular loads and layouts: which GPU a time-sliced or MIG request
 lands on when the simple cases tie, and the checks on what the caller passes in. Every expectation is worked
-out by hand from the policy in agent/topology/allocator.py's docstrings."""
+out by hand from the policy in the docstrings of agent/topology/gpus.py, replicas.py and mig_devices.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.topology.allocator import AllocationError, preferred_gpus, preferred_mig, preferred_shared
+from agent.topology.gpus import preferred_gpus
+from agent.topology.mig_devices import preferred_mig
 from agent.topology.model import Topology
+from agent.topology.replicas import preferred_shared
+from agent.topology.request import AllocationError
 
 UNLINKED = Topology.build([0, 0, 0], {}, {})
 """Three GPUs on one NUMA node with no NVLink: every pair scores the same."""

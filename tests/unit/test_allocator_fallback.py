@@ -10,7 +10,7 @@ from itertools import combinations
 
 import pytest
 
-from agent.topology.allocator import EXACT_LIMIT, preferred_gpus
+from agent.topology.gpus import EXACT_LIMIT, preferred_gpus
 from agent.topology.model import Topology
 
 

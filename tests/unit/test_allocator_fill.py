@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from agent.topology.allocator import _fill, preferred_shared, replica_index, replica_order
 from agent.topology.model import Topology
+from agent.topology.replicas import _fill, preferred_shared, replica_index
+from agent.topology.request import replica_order
 
 
 def one_at_a_time(offered: dict[int, list[str]], load: dict[int, int], picked: dict[int, list[str]],

@@ -10,7 +10,7 @@ from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.nvml.records import NodeInventory
-from agent.topology.allocator import preferred_gpus
+from agent.topology.gpus import preferred_gpus
 from agent.topology.prefer import topology_of
 
 PAIRS = [(a, a + 1) for a in range(0, 16, 2)]

@@ -1,4 +1,6 @@
-"""Preferred allocation: the best-connected set of GPUs, time-sliced replicas or MIG devices for a request.
+"""Preferred allocation of whole GPUs: the search for the best-connected set of GPUs for a request. The
+replicas of shared GPUs (replicas.py) and MIG devices (mig_devices.py) are chosen elsewhere; replicas use this
+search to pick the GPUs they spread over.
 
 `preferred_gpus` answers the kubelet's GetPreferredAllocation for whole GPUs with the true optimum of
 
@@ -14,15 +16,11 @@ bounded greedy search (see `docs/allocation.md`).
 
 from __future__ import annotations
 
-import functools
-import re
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import combinations
-from typing import Any, Literal, NoReturn, TypeVar
+from collections.abc import Iterable, Sequence
 
 from agent.topology.model import Topology
+from agent.topology.request import check_request, is_index
 
 EXACT_LIMIT = 16
 """Largest candidate count that gets the exact search; larger requests use the greedy fallback."""
@@ -33,17 +31,6 @@ FALLBACK_SEEDS = 16
 FALLBACK_POLISHED = 4
 """Best greedy results the fallback improves with pair swaps."""
 
-SharingPolicy = Literal["distributed", "packed"]
-
-_Id = TypeVar("_Id", bound=Hashable)
-
-
-class AllocationError(ValueError):
-    """A preferred-allocation request that cannot be answered as asked."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Whole GPUs
 
 
 def preferred_gpus(
@@ -55,8 +42,8 @@ def preferred_gpus(
     left it out of `available`). Raises `AllocationError` for a size below 1 or above the candidate count,
     more must-include GPUs than `size`, and unknown or repeated indices.
     """
-    offered, must = _request(
-        available, must_include, size, lambda g: _is_index(g) and g < topo.gpu_count, "GPU index"
+    offered, must = check_request(
+        available, must_include, size, lambda g: is_index(g) and g < topo.gpu_count, "GPU index"
     )
     candidates, required = sorted(offered), sorted(must)
     if size == len(candidates):
@@ -376,308 +363,3 @@ def _swap_improve(
         chosen.remove(best[2])
         chosen.add(best[3])
     return sorted(chosen)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Time-sliced replicas
-
-
-@dataclass(frozen=True)
-class ReplicaIndex:
-    """What `preferred_shared` derives from a resource's replicas alone, checked against the topology: each
-    replica's rank in `replica_order` (equal keys, equal ranks) and each GPU's replica count. Built once per
-    resource by `replica_index` and passed to every call, so that a call sorts small integers, not keys."""
-
-    replicas: Mapping[str, int]
-    topo: Topology
-    rank: Mapping[str, int]
-    total: Mapping[int, int]
-
-
-def replica_index(topo: Topology, replicas: Mapping[str, int]) -> ReplicaIndex:
-    gpu_count = topo.gpu_count
-    total: dict[int, int] = {}
-    for rid, gpu in replicas.items():
-        if not _is_index(gpu) or gpu >= gpu_count:
-            raise AllocationError(f"replica {rid!r} is on GPU {gpu!r}, which the topology does not have")
-        total[gpu] = total.get(gpu, 0) + 1
-    rank: dict[str, int] = {}
-    previous: tuple[tuple[int, str, int], ...] | None = None
-    level = -1
-    for rid in sorted(replicas, key=replica_order):
-        key = replica_order(rid)
-        if key != previous:
-            level, previous = level + 1, key
-        rank[rid] = level
-    return ReplicaIndex(replicas, topo, rank, total)
-
-
-def preferred_shared(
-    topo: Topology,
-    replicas: Mapping[str, int],
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-    policy: SharingPolicy = "distributed",
-    index: ReplicaIndex | None = None,
-) -> list[str]:
-    """The preferred `size` replicas of a time-sliced resource, sorted by `replica_order`.
-
-    `replicas` maps every replica id of the resource to its physical GPU index. A replica that is neither in
-    `available` nor in `must_include` counts as allocated: it is the load of its GPU.
-
-    - "distributed": as many distinct GPUs as the request allows, the least-loaded GPUs first; among GPUs of
-      equal load the set with the best `preferred_gpus` order (value, NUMA span, remainder, index). Further
-      replicas go one at a time to the GPU with the lowest load counting this request, lowest index first.
-    - "packed": the fewest GPUs. The GPUs of `must_include` are filled first; then, while no single GPU can
-      finish the request, the GPU with the most free replicas; the GPU that finishes it is the fitting one
-      with the most replicas already allocated (then the best score towards the GPUs used, lowest index).
-
-    Within a GPU the lowest replicas by `replica_order` are taken.
-
-    `index` is `replica_index(topo, replicas)`, made once for many calls; without it the call makes its own.
-    """
-    if policy not in ("distributed", "packed"):
-        raise AllocationError(f"unknown sharing policy {policy!r}; use 'distributed' or 'packed'")
-    if index is None or index.replicas is not replicas or index.topo is not topo:
-        index = replica_index(topo, replicas)
-    rank = index.rank.__getitem__
-    offered_ids, required = _request(available, must_include, size, replicas.__contains__, "replica id")
-    required.sort(key=rank)
-    offered = _by_gpu(offered_ids, replicas.__getitem__, rank)
-    total = index.total
-    load = {g: total[g] - len(offered[g]) for g in offered}
-    picked: dict[int, list[str]] = {}
-    for rid in required:
-        picked.setdefault(replicas[rid], []).append(rid)
-    still = size - len(required)
-    if policy == "distributed":
-        _spread(topo, offered, load, picked, still)
-    else:
-        _pack(topo, offered, load, picked, still)
-    return sorted((rid for ids in picked.values() for rid in ids), key=rank)
-
-
-def _take(offered: Mapping[int, list[str]], picked: dict[int, list[str]], gpu: int, count: int) -> None:
-    have = picked.setdefault(gpu, [])
-    taken = set(have)
-    for rid in offered[gpu]:
-        if count <= 0:
-            break
-        if rid not in taken:
-            have.append(rid)
-            count -= 1
-
-
-def _spread(
-    topo: Topology,
-    offered: Mapping[int, list[str]],
-    load: Mapping[int, int],
-    picked: dict[int, list[str]],
-    still: int,
-) -> None:
-    others = sorted((g for g in offered if g not in picked), key=lambda g: (load[g], g))
-    new = min(still, len(others))
-    if new:
-        cut = load[others[new - 1]]
-        fixed = sorted([*picked, *(g for g in others if load[g] < cut)])
-        tier = [g for g in others if load[g] == cut]
-        gpus = preferred_gpus(topo, [*fixed, *tier], fixed, len(picked) + new)
-        for g in gpus:
-            if g not in picked:
-                _take(offered, picked, g, 1)
-        still -= new
-    if still:
-        for g, count in _fill(offered, load, picked, still).items():
-            _take(offered, picked, g, count)
-
-
-def _fill(offered: Mapping[int, list[str]], load: Mapping[int, int], picked: Mapping[int, list[str]],
-          still: int) -> dict[int, int]:
-    """How many more replicas each GPU gives when `still` replicas go one at a time to the GPU with the lowest
-    load counting this request, lowest index first (a GPU leaves once its offered replicas are all taken).
-
-    The one-at-a-time order takes the `still` smallest (level, GPU) pairs, a GPU holding the levels from its
-    load up: so every GPU fills up to one common level, found by bisection, and the GPUs at that level get one
-    more each, lowest index first, until `still` is used up. O(GPUs * log replicas), not O(still * log GPUs)."""
-    start = {g: load[g] + len(picked.get(g, ())) for g in offered}
-    room = {g: len(offered[g]) - len(picked.get(g, ())) for g in offered if len(picked.get(g, ())) < len(offered[g])}
-
-    def below(level: int) -> int:
-        """Replicas given with every GPU filled up to `level` (exclusive)."""
-        return sum(min(max(level - start[g], 0), free) for g, free in room.items())
-
-    low, high = min(start[g] for g in room), max(start[g] + free for g, free in room.items())
-    while low < high:
-        middle = (low + high + 1) // 2
-        if below(middle) <= still:
-            low = middle
-        else:
-            high = middle - 1
-    extra = {g: min(max(low - start[g], 0), free) for g, free in room.items()}
-    left = still - sum(extra.values())
-    for g in sorted(room):
-        if left == 0:
-            break
-        if start[g] <= low < start[g] + room[g]:
-            extra[g] += 1
-            left -= 1
-    return {g: count for g, count in extra.items() if count}
-
-
-def _pack(
-    topo: Topology,
-    offered: Mapping[int, list[str]],
-    load: Mapping[int, int],
-    picked: dict[int, list[str]],
-    still: int,
-) -> None:
-    for g in sorted(picked, key=lambda g: (-load[g], g)):
-        more = min(still, len(offered[g]) - len(picked[g]))
-        _take(offered, picked, g, more)
-        still -= more
-    while still:
-        spare = {g: len(offered[g]) for g in offered if g not in picked}
-        towards = {g: sum(topo.scores[g][u] for u in picked) for g in spare}
-        fits = [g for g in spare if spare[g] >= still]
-        if fits:
-            _take(offered, picked, max(fits, key=lambda g: (load[g], towards[g], -g)), still)
-            return
-        g = max(spare, key=lambda g: (spare[g], load[g], towards[g], -g))
-        _take(offered, picked, g, spare[g])
-        still -= spare[g]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# MIG devices
-
-
-def preferred_mig(
-    devices: Mapping[str, tuple[int, int | None]],
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-) -> list[str]:
-    """The preferred `size` MIG devices of one resource, sorted by `replica_order`.
-
-    `devices` maps each MIG device id to (parent GPU index, parent NUMA node or None). Order of preference:
-    the fewest NUMA nodes (devices without a node count as one node); then the fewest parent GPUs; then the
-    NUMA nodes with the smallest sorted ids (None last). GPUs of `must_include` are filled first, then the
-    largest GPUs until one GPU can finish the request; the finishing GPU is the fitting one with the fewest
-    free devices (keeping larger GPUs whole), lowest index first. Within a GPU the lowest ids by
-    `replica_order` are taken.
-    """
-    node_of: dict[int, int | None] = {}
-    for did, (gpu, node) in devices.items():
-        if not _is_index(gpu):
-            raise AllocationError(
-                f"MIG device {did!r}: parent GPU index {gpu!r} is not a non-negative integer"
-            )
-        if node_of.setdefault(gpu, node) != node:
-            raise AllocationError(f"MIG device {did!r}: GPU {gpu} is given two NUMA nodes")
-    offered_ids, required = _request(available, must_include, size, lambda d: d in devices, "MIG device id")
-    required.sort(key=replica_order)
-    offered = _by_gpu(offered_ids, lambda d: devices[d][0])
-    picked: dict[int, list[str]] = {}
-    for did in required:
-        picked.setdefault(devices[did][0], []).append(did)
-    fixed_nodes = {node_of[g] for g in picked}
-    free_nodes = sorted({node_of[g] for g in offered} - fixed_nodes, key=_numa_order)
-
-    def plan(nodes: set[int | None]) -> list[tuple[int, int]] | None:
-        """(gpu, count) to take beyond the must-include GPUs when limited to `nodes`; None if too few."""
-        still = size - sum(len(offered[g]) for g in picked)
-        steps: list[tuple[int, int]] = []
-        spare = {g: len(offered[g]) for g in offered if g not in picked and node_of[g] in nodes}
-        while still > 0:
-            if not spare:
-                return None
-            fits = [g for g in spare if spare[g] >= still]
-            g = min(fits, key=lambda g: (spare[g], g)) if fits else max(spare, key=lambda g: (spare[g], -g))
-            steps.append((g, min(still, spare[g])))
-            still -= spare.pop(g)
-        return steps
-
-    best: tuple[int, list[tuple[int, bool, int]], list[tuple[int, int]]] | None = None
-    for extra in range(len(free_nodes) + 1):
-        for added in combinations(free_nodes, extra):
-            nodes = fixed_nodes | set(added)
-            steps = plan(nodes)
-            if steps is None:
-                continue
-            rank = (len(steps), sorted(_numa_order(n) for n in nodes), steps)
-            if best is None or rank[:2] < best[:2]:
-                best = rank
-        if best is not None:
-            break
-    assert best is not None  # validated: all candidates together hold `size` devices
-    still = size - len(required)
-    for g in sorted(picked):
-        more = min(still, len(offered[g]) - len(picked[g]))
-        _take(offered, picked, g, more)
-        still -= more
-    for g, count in best[2]:
-        _take(offered, picked, g, count)
-    return sorted((did for ids in picked.values() for did in ids), key=replica_order)
-
-
-def _numa_order(node: int | None) -> tuple[int, bool, int]:
-    return (0, node is None, node if node is not None else 0)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-@functools.lru_cache(maxsize=16384)
-def replica_order(device_id: str) -> tuple[tuple[int, str, int], ...]:
-    """Natural sort key for device ids: digit runs compare as numbers ("gpu::2" before "gpu::10")."""
-    return tuple(
-        (1, "", int(part)) if part.isdigit() else (0, part, 0)
-        for part in re.split(r"(\d+)", device_id)
-        if part
-    )
-
-
-def _by_gpu(ids: Iterable[str], gpu_of: Callable[[str], int],
-            order: Callable[[str], Any] = replica_order) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = {}
-    for did in sorted(ids, key=order):
-        out.setdefault(gpu_of(did), []).append(did)
-    return out
-
-
-def _is_index(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _request(
-    available: Sequence[_Id], must_include: Sequence[_Id], size: int, known: Callable[[_Id], bool], what: str
-) -> tuple[set[_Id], list[_Id]]:
-    """Validate a request; return (candidates, required). Candidates include `must_include`."""
-    if not _is_index(size) or size < 1:
-        raise AllocationError(f"size must be a positive integer, got {size!r}")
-    offered, required = set(available), set(must_include)
-    if len(offered) < len(available) or len(required) < len(must_include) or not all(map(known, offered | required)):
-        _refuse(available, must_include, known, what)
-    if len(must_include) > size:
-        raise AllocationError(
-            f"must_include has {len(must_include)} entries, more than the requested size {size}"
-        )
-    candidates = offered | required
-    if size > len(candidates):
-        raise AllocationError(f"size {size} is more than the {len(candidates)} candidates offered")
-    return candidates, list(must_include)
-
-
-def _refuse(available: Sequence[_Id], must_include: Sequence[_Id], known: Callable[[_Id], bool], what: str) -> NoReturn:
-    """The AllocationError for the first unknown or repeated id, in the request's order."""
-    for name, ids in (("available", available), ("must_include", must_include)):
-        seen: set[_Id] = set()
-        for item in ids:
-            if not known(item):
-                raise AllocationError(f"{name}: unknown {what} {item!r}")
-            if item in seen:
-                raise AllocationError(f"{name}: {what} {item!r} is listed twice")
-            seen.add(item)
-    raise AssertionError("an unknown or repeated id was found, and then not")
