@@ -332,8 +332,9 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     dra = options.config.dra
     if not dra.enabled:
         return None
+    from agent.dra.claims import ClaimError, Paths
     from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
-    from agent.dra.plugin import ClaimError, DraKubeletPlugin, Paths
+    from agent.dra.plugin import DraKubeletPlugin
     from agent.dra.publisher import PublisherClass, SlicePublisher, claim_reader, publisher_for
 
     metrics = footing.metrics

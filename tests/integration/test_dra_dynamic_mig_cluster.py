@@ -46,6 +46,7 @@ from dra_rig import (
 
 from agent.config import parse_config
 from agent.dra import plugin as dra_plugin
+from agent.dra.claims import Paths
 from agent.dra.dynamic import DynamicMig, DynamicSlicePublisher
 from agent.dra.publisher import SliceApi
 from agent.dra.v1 import api_pb2 as v1
@@ -141,7 +142,7 @@ class Node:
         await node.dynamic.load_profiles(node.bus.current)
         node.publisher = DynamicSlicePublisher(node.slices, node.bus, name, DRIVER, node.dynamic)
         node.plugin = dra_plugin.DraKubeletPlugin(
-            dra_plugin.Paths.under(directory / "kubelet", DRIVER, directory / "cdi"), DRIVER, name, node.bus,
+            Paths.under(directory / "kubelet", DRIVER, directory / "cdi"), DRIVER, name, node.bus,
             node.slices, [], Path("/"), lambda: None, {}, node.dynamic)
         try:
             yield node

@@ -211,7 +211,7 @@ def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
 ])
 def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: str | bytes | None,
                                                      problem: str) -> None:
-    from agent.dra.plugin import ClaimError, ClaimStore, Paths
+    from agent.dra.claims import ClaimError, ClaimStore, Paths
 
     paths = Paths.under(tmp_path, DRIVER, tmp_path / "cdi")
     paths.checkpoint.parent.mkdir(parents=True)
@@ -349,17 +349,19 @@ class NoClaims:
 
 async def test_the_health_stream_has_prepared_devices_the_node_lost_as_unknown_and_repeats_itself(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.dra import health as dra_health
     from agent.dra import plugin as dra_plugin
+    from agent.dra.claims import Paths, Prepared
     from agent.dra.health_v1alpha1 import api_pb2 as health
 
-    monkeypatch.setattr(dra_plugin, "HEALTH_RESEND_S", 0.2)
+    monkeypatch.setattr(dra_health, "HEALTH_RESEND_S", 0.2)
     state = node("dgx-h100", mig={7: [("3g.40gb", 0)]})
     (mig,) = state.inventory.mig_devices
     name = f"gpu-7-mig-{mig.gpu_instance_id}-{mig.compute_instance_id}"
     bus = StateBus(state)
-    plugin = dra_plugin.DraKubeletPlugin(dra_plugin.Paths.under(tmp_path, DRIVER, tmp_path / "cdi"), DRIVER, "n",
+    plugin = dra_plugin.DraKubeletPlugin(Paths.under(tmp_path, DRIVER, tmp_path / "cdi"), DRIVER, "n",
                                          bus, NoClaims(), [], Path("/"), lambda: None)
-    plugin.store.put("u1", "ns", "c", [dra_plugin.Prepared(("mig",), "n", name, ())], {})
+    plugin.store.put("u1", "ns", "c", [Prepared(("mig",), "n", name, ())], {})
     stream = plugin.watch_health()
 
     async def report() -> list[tuple[str, str, int]]:

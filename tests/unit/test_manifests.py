@@ -523,7 +523,7 @@ def test_dra_mode_adds_only_appended_mounts_each_at_its_host_path() -> None:
 
 def test_dra_mode_mounts_are_where_the_agent_puts_its_sockets_and_cdi_specs() -> None:
     from agent.config import DraSettings
-    from agent.dra.plugin import Paths
+    from agent.dra.claims import Paths
 
     args = container()["args"]
     kubelet_root = Path(args[args.index("--kubelet-dir") + 1]).parent
