@@ -202,7 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return await run_until_signal(backend, options)
 
-    from agent.daemon import StartupError
+    from agent.checks import StartupError
     from agent.nvml.backend import NvmlUnavailable
 
     try:
@@ -292,7 +292,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from agent.daemon import StartupError
+    from agent.checks import StartupError
     from agent.nvml.backend import NvmlUnavailable
     from agent.simulate import SimulationError, describe, simulate
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import grpc
 
+from agent.agent import Agent
 from agent.config import AgentConfig
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.kube.view import Condition, Conflict, NodeView
 from agent.nvml.backend import NvmlBackend

@@ -21,8 +21,8 @@ from typing import Any
 
 from kubernetes.aio import client, config
 
+from agent.agent import Agent
 from agent.config import DEFAULT_CONFIG, AgentConfig
-from agent.daemon import Agent
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.kube.node import NodeApi
 from agent.kube.reconciler import CONDITION_TYPE

@@ -16,8 +16,9 @@ from typing import TypeVar
 import grpc
 import pynvml
 
+from agent.agent import Agent
 from agent.config import DEFAULT_CONFIG, AgentConfig
-from agent.daemon import Agent, AgentOptions
+from agent.daemon import AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.kube.reconciler import NodeClient
 from agent.nvml.backend import NvmlBackend, fake_backend

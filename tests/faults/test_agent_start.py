@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from agent import daemon
+from agent.agent import Agent
+from agent.checks import StartupError
 from agent.config import ConfigError, parse_config
-from agent.daemon import Agent, AgentOptions, IdleAgent, StartupError, start_agent
+from agent.daemon import AgentOptions, IdleAgent, start_agent
 from agent.deviceplugin.response import IMEX_CHANNEL
 from agent.locks import DirectoryLock, Held
 from agent.nvml.backend import fake_backend

@@ -315,8 +315,8 @@ async def test_the_metrics_endpoint_answers_abuse_with_4xx_and_no_traceback(capl
 
 async def test_a_task_failing_with_a_one_line_error_logs_that_line_not_a_traceback(
         caplog: pytest.LogCaptureFixture) -> None:
+    from agent.agent import supervise
     from agent.config import ConfigError
-    from agent.daemon import supervise
     from agent.metrics import Metrics
 
     runs: list[int] = []

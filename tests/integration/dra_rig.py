@@ -18,8 +18,8 @@ import yaml
 from apiserver import KUBE_BIN, REPO, ApiServer, _spawn, _stop_group, wait_until
 from kubernetes import client as k8s
 
+from agent.agent import Agent
 from agent.config import parse_config
-from agent.daemon import Agent
 from agent.kube.node import NodeApi
 from agent.nvml.fake import FakeNvml
 from tests.plugin_harness import running_agent, short_dir

@@ -19,8 +19,8 @@ from kubernetes import client as k8s
 from kubernetes import utils
 from kubernetes import watch as k8s_watch
 
+from agent.agent import Agent
 from agent.config import AgentConfig, parse_config
-from agent.daemon import Agent
 from agent.kube.node import NodeApi
 from agent.labels import node_labels
 from agent.nvml.fake import FakeNvml

@@ -13,8 +13,8 @@ import grpc
 import pytest
 import yaml
 
+from agent.agent import Agent
 from agent.config import parse_config
-from agent.daemon import Agent
 from agent.mig import controller
 from agent.nvml.fake import FakeNvml
 from agent.podresources_v1 import api_pb2 as pr

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from prometheus import PROMETHEUS, PROMTOOL, ensure_prometheus, promtool, running_prometheus
 
+from agent.agent import Agent
 from agent.config import parse_config
-from agent.daemon import Agent
 from agent.kube.node import ApiError
 from agent.kube.view import NodeView
 from agent.nvml.fake import FakeNvml

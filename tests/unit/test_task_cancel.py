@@ -11,8 +11,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 import yaml
 
+from agent.agent import STOP_TASK_S
 from agent.config import AgentConfig, parse_config
-from agent.daemon import STOP_TASK_S, NvmlThread
+from agent.daemon import NvmlThread
 from agent.mps import MpsDaemons
 from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml

@@ -1,0 +1,228 @@
+"""The running agent (`Agent`): its parts, made whole by the composition root (daemon.py) and wired here: the
+NodeState bus, device-plugin servers, health monitor, telemetry, MIG manager, MPS daemons and, by mode, the
+node reconciler and the DRA parts; the supervised tasks that run them (`supervise`: log, count and restart
+with backoff); the withheld-resource reports; and ordered shutdown. Readiness is in readiness.py, config reload
+in reload.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from agent.checks import StartupError
+from agent.config import ConfigError
+from agent.deviceplugin.response import NodeFiles
+from agent.deviceplugin.server import PluginSet
+from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.dra.slices import plugin_resources
+from agent.health.monitor import HealthMonitor
+from agent.inventory import Device, PlanCache
+from agent.kube.reconciler import NodeIntent, NodeReconciler, TaintPolicy, node_intent
+from agent.kube.usage import ApiCollector, ApiCounts
+from agent.labels import node_labels, owned
+from agent.locks import Held
+from agent.metrics import Metrics
+from agent.mig.controller import MigController
+from agent.mps import MpsDaemons
+from agent.nvml import MockStateError
+from agent.nvml.backend import NvmlBackend, NvmlUnavailable
+from agent.readiness import AgentReadiness
+from agent.reload import ConfigReload
+from agent.state import NodeState, StateBus
+from agent.telemetry.collector import TelemetryCollector
+from agent.telemetry.exposition import renderer
+from agent.topology.prefer import Preferences
+from agent.yamlfile import FileProblems, InputFileError
+
+if TYPE_CHECKING:
+    from agent.daemon import AgentOptions, DraParts, Footing
+
+log = logging.getLogger("agent.daemon")
+"""The agent's own lines keep the logger name they have always had (the operations guide and log filters use it)."""
+
+RESTART_BACKOFF_MAX_S = 30.0
+STOP_TASK_S = 5.0
+"""How long Agent.stop waits for a cancelled task before it cancels it again."""
+
+
+ONE_LINE_ERRORS: tuple[type[Exception], ...] = (
+    ConfigError, MockStateError, FileProblems, InputFileError, StartupError, Held, NvmlUnavailable)
+"""Errors whose message already says what is wrong in one line: logged as that line, not as a traceback."""
+
+
+async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metrics) -> None:
+    """Run a long-lived task forever: log and count each failure, restart it with backoff."""
+    backoff = 0.5
+    while True:
+        try:
+            await run()
+            log.error("task %s returned; restarting", name)
+        except asyncio.CancelledError:
+            raise
+        except ONE_LINE_ERRORS as err:
+            log.error("task %s failed: %s; restarting in %.1fs", name, str(err).replace("\n", "; "), backoff)
+        except Exception:
+            log.exception("task %s failed; restarting in %.1fs", name, backoff)
+        metrics.task_restarts.labels(task=name).inc()
+        await asyncio.sleep(backoff)
+        backoff = min(RESTART_BACKOFF_MAX_S, backoff * 2)
+
+
+class Agent:
+    """The running agent: NodeState bus, device-plugin servers, health monitor, telemetry, MIG manager, MPS
+    daemons and, by mode, the node reconciler, the DRA parts and the HTTP endpoint. Made by start_agent, which
+    returns it serving; every part exists from then on."""
+
+    def __init__(self, footing: Footing, bus: StateBus, files: NodeFiles, dra: DraParts | None,
+                 hangup: asyncio.Event) -> None:
+        options = footing.options
+        self.footing = footing
+        self.backend = footing.backend
+        self.options = options
+        self.nvml = footing.nvml
+        self.metrics = footing.metrics
+        self.http = footing.http
+        """The /metrics, /healthz and /readyz endpoint; None without a metrics port."""
+        self.bus = bus
+        self.files = files
+        """The device nodes and files the node has (read once at start)."""
+        self.plans = PlanCache()
+        self.hangup = hangup
+        """Set by SIGHUP: reload the config file."""
+        self.stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        preferences = Preferences(lambda: bus.current)
+        self.plugins = PluginSet(
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
+            lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled,
+                                     options.config.dra.dynamic_mig),
+            options.kubelet_dir,
+            bus,
+            self.metrics,
+        )
+        self.monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
+        self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
+                                 dra.plugin.holders if dra is not None else list)
+        self.mps = MpsDaemons(bus)
+        counts = getattr(options.kube, "counts", None)
+        self.api_counts = counts if isinstance(counts, ApiCounts) else ApiCounts()
+        """What the agent's API client sent and how its watches fared (for /metrics); zeros without one."""
+        self.reconciler: NodeReconciler | None = (
+            NodeReconciler(options.kube, bus, _intent, owned, self.metrics.api_errors.inc, self.api_counts)
+            if options.kube is not None else None)
+        """Keeps the agent's parts of its Node; None without an API server (--no-kube)."""
+        self.dra = dra
+        """DRA mode with an API server: the ResourceSlice publisher and the DRA kubelet plugin; else None."""
+        self.ready = AgentReadiness(self.backend, self.plugins, self.reconciler,
+                                    dra.slices.published if dra is not None else None, self.devices)
+        """What /readyz answers once the agent runs (agent/readiness.py)."""
+        self.config_reload = ConfigReload(options, bus, files, self.metrics, hangup)
+        """Reloads the config on SIGHUP, a changed file or a new node label (agent/reload.py)."""
+
+    @classmethod
+    async def start(cls, backend: NvmlBackend, options: AgentOptions, *,
+                    hangup: asyncio.Event | None = None) -> Agent:
+        """start_agent for whoever needs an agent that serves: the idle mode (NVML unavailable with
+        flags.failOnInitError false) is a StartupError naming why, with nothing held."""
+        from agent.daemon import IdleAgent, start_agent
+
+        started = await start_agent(backend, options, hangup=hangup)
+        if isinstance(started, IdleAgent):
+            await started.stop()
+            raise StartupError(started.reason)
+        return started
+
+    async def begin(self) -> None:
+        """Wire the metrics to the parts and start every task (and the DRA kubelet plugin's server)."""
+        bus, monitor, telemetry, opts = self.bus, self.monitor, self.telemetry, self.options
+        self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
+        self._spawn("device-plugins", self.plugins.run)
+        self._spawn("health", monitor.run)
+        self.metrics.watch_ready(self.ready)
+        # Without an API server the figures are there all the same, at zero: dashboards need no special case.
+        self.metrics.registry.register(ApiCollector(self.api_counts))
+        self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
+        self._spawn("telemetry", telemetry.run)
+        self._spawn("mig", self.mig.run)
+        self._spawn("withheld-resources", self._follow_problems)
+        self._spawn("mps", self.mps.run)
+        if opts.config_path is not None:
+            self._spawn("config-reload", self.config_reload.follow)
+        if self.reconciler is not None:
+            self._spawn("node-reconciler", self.reconciler.run)
+        if self.dra is not None:
+            self._spawn("dra-slices", self.dra.slices.run)
+            await self.dra.plugin.start()
+        self.footing.readiness.check = self.ready
+        state = bus.current
+        log.info(
+            "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
+            len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
+            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) or "none",
+        )
+
+    def devices(self) -> dict[str, tuple[Device, ...]]:
+        resources = self.plans(self.bus.current).resources
+        served = plugin_resources(resources, self.options.config.dra.enabled, self.options.config.dra.dynamic_mig)
+        return {name: r.devices for name, r in resources.items() if name in served}
+
+    async def reload_config(self) -> bool:
+        """Load the config again (the file, or the named config the node label asks for); a bad one is
+        rejected with its reasons and the last good one keeps serving (agent/reload.py)."""
+        return await self.config_reload.reload()
+
+    async def _follow_problems(self) -> None:
+        """Say why devices are withheld (for example a node that does not fit migStrategy single) whenever that
+        changes: in the log and as an Event."""
+        reported: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        state = self.bus.current
+        while True:
+            current = self.plans(state)
+            for kind, lines, before in (("resources-withheld", current.problems, reported[0]),
+                                        ("sharing-selector-unmatched", current.warnings, reported[1])):
+                if lines != before:
+                    for line in lines:
+                        log.warning("%s", line)
+                    if lines:
+                        await self.bus.record([("", kind, line) for line in lines])
+            reported = (current.problems, current.warnings)
+            self.metrics.unmatched_selectors.set(len(current.warnings))
+            state = await self.bus.wait_newer(state.version)
+
+    def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
+
+    async def stop(self) -> None:
+        """Ordered shutdown: stop the tasks, stop serving (brief grace for in-flight RPCs), remove sockets,
+        then give back the HTTP endpoint, the API server client, NVML and the kubelet-directory lock."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            while not (await asyncio.wait({task}, timeout=STOP_TASK_S))[0]:
+                # A loop that swallowed its cancellation would hold the shutdown for ever: say so, ask again.
+                log.warning("task %s did not stop within %gs of being cancelled; cancelling it again",
+                            task.get_name(), STOP_TASK_S)
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await self.monitor.close()
+        await self.plugins.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
+            self.footing.http = None
+        if self.dra is not None:
+            await self.dra.plugin.stop()
+            await self.dra.slices.close()
+        await self.footing.release()
+        self.stopped.set()
+
+
+def _intent(state: NodeState) -> NodeIntent:
+    health = state.config.health
+    taint = TaintPolicy(health.taint.key, health.taint.effect, health.node_fatal_unhealthy_gpus)
+    return node_intent(state, node_labels(state, state.config), taint)
