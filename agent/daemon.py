@@ -208,7 +208,7 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     from agent.dra.claims import ClaimError, Paths
     from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
     from agent.dra.plugin import DraKubeletPlugin
-    from agent.dra.publisher import PublisherClass, SlicePublisher, claim_reader, publisher_for
+    from agent.dra.publisher import PublisherClass, SlicePublisher, slice_api
 
     metrics = footing.metrics
     paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root)
@@ -218,12 +218,14 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
         if dra.dynamic_mig:  # its checkpoint next to the DRA checkpoint
             dynamic = DynamicMig(footing.backend, footing.nvml, state_file(paths.checkpoint))
             make = functools.partial(DynamicSlicePublisher, dynamic=dynamic)
-        slices = publisher_for(options.kube, bus, dra.driver_name, metrics.api_errors.inc,
-                               on_health_mode=metrics.health_mode, make=make)
-        if slices is None:
+        shared = slice_api(options.kube)
+        if shared is None:
             return None
+        api, node = shared
+        slices = make(api, bus, node, dra.driver_name, on_error=metrics.api_errors.inc,
+                      on_health_mode=metrics.health_mode)
         plugin = DraKubeletPlugin(
-            paths, dra.driver_name, slices.node, bus, claim_reader(slices), files.control_nodes,
+            paths, dra.driver_name, node, bus, api, files.control_nodes,
             options.config.flags.dev_root, slices.republish, files.mig_minors, dynamic)
     except (ClaimError, DynamicMigError) as err:
         raise StartupError(str(err)) from None

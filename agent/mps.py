@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import AgentConfig
-from agent.deviceplugin.response import mps_log_dir, mps_pipe_dir
 from agent.inventory import mps_shared_gpus
+from agent.mps_client import mps_log_dir, mps_pipe_dir
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)

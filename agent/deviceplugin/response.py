@@ -8,11 +8,12 @@ import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from agent.config import AgentConfig
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.inventory import Device, Resource
+from agent.mps_client import mps_client
 from agent.nvml.records import MigDeviceInfo, NodeInventory
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -21,7 +22,6 @@ DEVICE_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 OPTIONAL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
-MPS_CONTAINER_ROOT = PurePosixPath("/mps")
 CDI_PLUGIN_NAME = "gpu-node-agent"
 _VISIBLE = operator.attrgetter("visible")
 
@@ -50,14 +50,6 @@ class NodeFiles:
         except OSError:
             pass
         return cls(tuple(p for p in OPTIONAL_NODES if exists(p)), minors, exists(IMEX_CHANNEL))
-
-
-def mps_pipe_dir(root: Path, gpu_uuid: str) -> Path:
-    return root / gpu_uuid / "pipe"
-
-
-def mps_log_dir(root: Path, gpu_uuid: str) -> Path:
-    return root / gpu_uuid / "log"
 
 
 def _device_nodes(chosen: list[Device], inventory: NodeInventory, files: NodeFiles,
@@ -89,17 +81,10 @@ def _mps(response: api_pb2.ContainerAllocateResponse, chosen: list[Device], reso
     (gpu_uuid,) = gpus
     replicas = chosen[0].replicas
     memory = next(g.memory_mib for g in inventory.gpus if g.uuid == gpu_uuid)
-    root = config.flags.mps_root
-    pipe, log = MPS_CONTAINER_ROOT / "pipe", MPS_CONTAINER_ROOT / "log"
-    response.envs["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
-    response.envs["CUDA_MPS_LOG_DIRECTORY"] = str(log)
-    response.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 * len(chosen) // replicas)
-    response.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={memory * len(chosen) // replicas}M"
-    response.mounts.extend([
-        api_pb2.Mount(container_path=str(pipe), host_path=str(mps_pipe_dir(root, gpu_uuid))),
-        api_pb2.Mount(container_path=str(log), host_path=str(mps_log_dir(root, gpu_uuid))),
-        api_pb2.Mount(container_path="/dev/shm", host_path=str(root / "shm")),
-    ])
+    client = mps_client(config.flags.mps_root, gpu_uuid, memory, len(chosen), replicas)
+    for name, value in client.env:
+        response.envs[name] = value
+    response.mounts.extend(api_pb2.Mount(container_path=inside, host_path=host) for inside, host in client.mounts)
 
 
 class ResponseBuilder:

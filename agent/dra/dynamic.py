@@ -30,7 +30,7 @@ from agent.dra.publisher import SliceClient, SlicePublisher
 from agent.dra.slices import (
     GpuInfo,
     PcieRootLookup,
-    _common,
+    gpu_attributes,
     health_taints,
     mig_device_name,
     nvlink_cliques,
@@ -154,7 +154,7 @@ def placement_device(device: PlacementDevice, state: NodeState, cliques: Any, pc
         "type": {"string": "mig"}, "profile": {"string": profile.name}, "dynamic": {"bool": True},
         "parentUUID": {"string": gpu.uuid}, "parentIndex": {"int": gpu.index}, "parentMinor": {"int": gpu.minor},
         "placementStart": {"int": placement.start}, "placementSize": {"int": placement.size},
-        **_common(gpu, state, cliques, pcie_root)}
+        **gpu_attributes(gpu, state, cliques, pcie_root)}
     counts = {"multiprocessors": profile.multiprocessor_count, "copyEngines": profile.copy_engines,
               "decoders": profile.decoders, "encoders": profile.encoders, "jpegEngines": profile.jpegs,
               "ofaEngines": profile.ofas}
@@ -314,7 +314,7 @@ class DynamicMig:
 
     def _instance_at(self, index: int, start: int) -> Any:
         """The MIG device (GPU and compute instance) at memory slice `start` of GPU `index`, if any."""
-        return next((m for m in self._backend._mig_devices(index) if m.placement_start == start), None)
+        return next((m for m in self._backend.mig_devices(index) if m.placement_start == start), None)
 
     async def release(self, uid: str) -> list[str]:
         """Destroy the MIG devices made for claim `uid` (those already gone are a success); returns the

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.deviceplugin.response import MPS_CONTAINER_ROOT, mps_log_dir, mps_pipe_dir
 from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.claims import ClaimError, ClaimReader, ClaimStore, Prepared
 from agent.dra.dynamic import DynamicMig, DynamicMigError
 from agent.dra.opaque import ConfigProblem, device_env
 from agent.dra.slices import mig_device_name, replica_name, shared_gpus
+from agent.mps_client import mps_client
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
 
@@ -135,16 +135,11 @@ class Preparer:
             raise ClaimError(f"{where}: MPS replicas of {len(gpus)} GPU(s) and {len(devices) - len(chosen)} other "
                              "device(s) cannot share one MPS client; ask for replicas of one GPU only")
         (gpu,) = gpus.values()
-        share = len(chosen)
-        root = state.config.flags.mps_root
-        pipe, logs = MPS_CONTAINER_ROOT / "pipe", MPS_CONTAINER_ROOT / "log"
+        client = mps_client(state.config.flags.mps_root, gpu.uuid, gpu.memory_mib, len(chosen), shared[gpu.uuid])
         return {
-            "env": [f"CUDA_MPS_PIPE_DIRECTORY={pipe}", f"CUDA_MPS_LOG_DIRECTORY={logs}",
-                    f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 * share // shared[gpu.uuid]}",
-                    f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={gpu.memory_mib * share // shared[gpu.uuid]}M"],
-            "mounts": [{"hostPath": str(host), "containerPath": str(inside), "options": ["rbind", "rw"]}
-                       for host, inside in ((mps_pipe_dir(root, gpu.uuid), pipe), (mps_log_dir(root, gpu.uuid), logs),
-                                            (root / "shm", Path("/dev/shm")))],
+            "env": [f"{name}={value}" for name, value in client.env],
+            "mounts": [{"hostPath": host, "containerPath": inside, "options": ["rbind", "rw"]}
+                       for inside, host in client.mounts],
         }
 
     def _devices(self) -> dict[str, tuple[str, list[str]]]:

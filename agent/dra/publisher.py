@@ -303,19 +303,12 @@ PublisherClass = Callable[..., SlicePublisher]
 on_health_mode=...)."""
 
 
-def publisher_for(kube: object, bus: StateBus, driver: str, on_error: Callable[[], None],
-                  on_health_mode: Callable[[str], None] = lambda mode: None,
-                  make: PublisherClass = SlicePublisher) -> SlicePublisher | None:
-    """The publisher (`make`) for the agent's own Node client, sharing its server and credentials; None (said in
-    the log) when the agent has no API server client to share."""
+def slice_api(kube: object) -> tuple[SliceApi, str] | None:
+    """ResourceSlices and ResourceClaims through the agent's one API client, the one its Node client was given
+    (the same server, credentials, rate limit, retries and counts), and the node's name; None (said in the log)
+    when the agent has no API server client. The composition root hands the one SliceApi to the slice
+    publisher and to the kubelet plugin, which reads the claims it prepares through it."""
     if not isinstance(kube, NodeApi):
         log.warning("DRA mode: no API server client; no ResourceSlice is published")
         return None
-    return make(SliceApi.sharing(kube), bus, kube.node_name, driver, on_error=on_error,
-                on_health_mode=on_health_mode)
-
-
-def claim_reader(publisher: SlicePublisher) -> SliceApi:
-    """The publisher's API client, which also reads ResourceClaims for the kubelet plugin."""
-    assert isinstance(publisher._api, SliceApi)
-    return publisher._api
+    return SliceApi.sharing(kube), kube.node_name

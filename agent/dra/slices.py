@@ -267,7 +267,8 @@ def health_taints(health: DeviceHealth, driver: str) -> list[dict[str, str]]:
              "effect": "NoExecute" if health.node_fatal else "NoSchedule"}]
 
 
-def _common(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, dict[str, Any]]:
+def gpu_attributes(gpu: GpuInfo, state: NodeState, cliques: Cliques,
+                   pcie_root: PcieRootLookup) -> dict[str, dict[str, Any]]:
     """The attributes a GPU and its MIG devices share: the model, the driver, where the GPU sits."""
     driver = state.inventory.driver
     major, minor = gpu.compute_capability
@@ -295,7 +296,7 @@ def _common(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRoo
 def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
     attributes: dict[str, dict[str, Any]] = {
         "type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, "index": {"int": gpu.index},
-        "minor": {"int": gpu.minor}, **_common(gpu, state, cliques, pcie_root)}
+        "minor": {"int": gpu.minor}, **gpu_attributes(gpu, state, cliques, pcie_root)}
     capacity: dict[str, dict[str, str]] = {"memory": {"value": f"{gpu.memory_mib}Mi"}}
     sms = _multiprocessors(gpu)
     if sms is not None:
@@ -323,7 +324,7 @@ def mig_device(gpu: GpuInfo, mig: MigInfo, state: NodeState, cliques: Cliques, p
         "type": {"string": "mig"}, "uuid": {"string": mig.uuid}, "profile": {"string": mig.profile},
         "parentUUID": {"string": gpu.uuid}, "parentIndex": {"int": gpu.index}, "parentMinor": {"int": gpu.minor},
         "placementStart": {"int": mig.placement_start}, "placementSize": {"int": mig.placement_size},
-        **_common(gpu, state, cliques, pcie_root)}
+        **gpu_attributes(gpu, state, cliques, pcie_root)}
     counts = {"multiprocessors": mig.multiprocessors, "copyEngines": mig.copy_engines, "decoders": mig.decoders,
               "encoders": mig.encoders, "jpegEngines": mig.jpegs, "ofaEngines": mig.ofas}
     capacity = {"memory": {"value": f"{mig.memory_mib}Mi"}, **{k: {"value": str(v)} for k, v in counts.items()}}

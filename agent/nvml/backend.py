@@ -136,7 +136,7 @@ class NvmlBackend:
             driver=self.driver(),
             gpus=gpus,
             links=self._links(gpus),
-            mig_devices=tuple(d for g in gpus if g.mig_enabled for d in self._mig_devices(g.index)),
+            mig_devices=tuple(d for g in gpus if g.mig_enabled for d in self.mig_devices(g.index)),
         )
 
     def _gpu(self, index: int, h: Any) -> GpuInfo:
@@ -226,7 +226,8 @@ class NvmlBackend:
             names[int(info.id)] = nvml_text(info.name).removeprefix("MIG ")
         return names
 
-    def _mig_devices(self, index: int) -> list[MigDeviceInfo]:
+    def mig_devices(self, index: int) -> list[MigDeviceInfo]:
+        """The MIG devices (GPU and compute instances) NVML lists on GPU `index`."""
         lib = self.lib
         h = self._handles[index]
         names = self._gi_profile_names(h)

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from agent.nvml.fake_faults import FakeFaults
-from agent.nvml.fake_state import API_FUNCTIONS, CRASH_AFTER_ENV, CRASH_EXIT_CODE, _crash_after_from_env, _EventSet
+from agent.nvml.fake_state import API_FUNCTIONS, CRASH_AFTER_ENV, CRASH_EXIT_CODE, EventSet, crash_after_from_env
 from agent.nvml.nodefile import NodeSpec, normalize_bus_id
 
 __all__ = ["API_FUNCTIONS", "CRASH_AFTER_ENV", "CRASH_EXIT_CODE", "PCI_3D_CONTROLLER", "FakeNvml"]
@@ -50,10 +50,10 @@ class FakeNvml(FakeFaults):
         self._lock = threading.RLock()
         self._events_ready = threading.Condition(self._lock)
         self._refcount = 0
-        self._crash_after = _crash_after_from_env()
+        self._crash_after = crash_after_from_env()
         self._changes = 0
         self._failures: dict[str, deque[int]] = {}
-        self._event_sets: dict[int, _EventSet] = {}
+        self._event_sets: dict[int, EventSet] = {}
         self._next_event_set = 1
         self._file_key: tuple[int, int, int] | None = None
         self.state_problem: str | None = None

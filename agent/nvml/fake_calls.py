@@ -9,9 +9,9 @@ from typing import Any
 import pynvml
 
 from agent.nvml.catalog import MIB
-from agent.nvml.fake_handles import _KIND_EVENT_SET, _KIND_MIG, _PCIE_TOPOLOGY, _Ref, _text_arg
+from agent.nvml.fake_handles import KIND_EVENT_SET, KIND_MIG, PCIE_TOPOLOGY, Ref, text_arg
 from agent.nvml.fake_mig import FakeMig
-from agent.nvml.fake_state import _api, _EventSet, _nvml_error
+from agent.nvml.fake_state import EventSet, api_call, nvml_error
 from agent.nvml.nodefile import normalize_bus_id
 
 SUPPORTED_EVENTS = (
@@ -31,162 +31,162 @@ class FakeCalls(FakeMig):
 
     # --- init and system ---------------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlInitWithFlags(self, flags: int) -> None:
         if not self._state.driver_loaded:
-            raise _nvml_error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            raise nvml_error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
         self._refcount += 1
 
-    @_api()
+    @api_call()
     def nvmlInit(self) -> None:
         self.nvmlInitWithFlags(0)
 
-    @_api()
+    @api_call()
     def nvmlShutdown(self) -> None:
         self._refcount -= 1
 
-    @_api()
+    @api_call()
     def nvmlSystemGetDriverVersion(self) -> str:
         return self.spec.driver_version
 
-    @_api()
+    @api_call()
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         return self.spec.cuda_driver_version
 
-    @_api()
+    @api_call()
     def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
         return self.spec.cuda_driver_version
 
-    @_api()
+    @api_call()
     def nvmlSystemGetNVMLVersion(self) -> str:
         return f"{self.spec.cuda_version.split('.')[0]}.{self.spec.driver_version}"
 
     # --- enumeration and identity ------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetCount(self) -> int:
         return len(self.spec.gpus)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         if not 0 <= index < len(self.spec.gpus):
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if self._gpu_state(index).lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._gpu_handle(index)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
-        text = _text_arg(uuid)
+        text = text_arg(uuid)
         gpu = self._by_uuid.get(text)
         if gpu is not None:
             if self._gpu_state(gpu.index).lost:
-                raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+                raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
             return self._gpu_handle(gpu.index)
         for g in self.spec.gpus:
             for gi, ci in self._mig_devices(g.index):
                 if self.mig_uuid(g.index, gi.id, ci.id) == text:
                     if self._gpu_state(g.index).lost:
-                        raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+                        raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
                     return self._mig_handle(g.index, gi, ci)
-        raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
-        bus_id = normalize_bus_id(_text_arg(pciBusId))
+        bus_id = normalize_bus_id(text_arg(pciBusId))
         gpu = self._by_bus.get(bus_id) if bus_id is not None else None
         if gpu is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         if self._gpu_state(gpu.index).lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._gpu_handle(gpu.index)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         ref = self._device(handle, allow_mig=True)
-        if ref.kind == _KIND_MIG:
+        if ref.kind == KIND_MIG:
             return self.mig_uuid(ref.gpu, ref.gi, ref.ci)
         return self.spec.gpus[ref.gpu].uuid
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetName(self, handle: Any) -> str:
         ref = self._device(handle, allow_mig=True)
         model = self._model(ref)
-        if ref.kind == _KIND_MIG:
+        if ref.kind == KIND_MIG:
             gi, _ = self._mig_parts(ref)
             return f"{model.nvml_name} MIG {self._profile_for(gi, model).name}"
         return model.nvml_name
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         return self._device(handle).gpu
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
         return self.spec.gpus[self._device(handle).gpu].minor_number
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetVirtualizationMode(self, handle: Any) -> int:
         self._device(handle)
         return int(pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)  # bare metal
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetBrand(self, handle: Any) -> int:
         self._device(handle)
         # Every model of the catalog is a data-centre GPU, which NVML brands NVIDIA (nvidia-smi -q:
         # "Product Brand : NVIDIA").
         return int(pynvml.NVML_BRAND_NVIDIA)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetSerial(self, handle: Any) -> str:
         return self.spec.gpus[self._device(handle).gpu].serial
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
         return self._pci_info(self.spec.gpus[self._device(handle).gpu])
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
         return self.nvmlDeviceGetPciInfo_v3(handle)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
         ref = self._device(handle, allow_mig=True)
         model = self._model(ref)
-        if ref.kind == _KIND_MIG:
+        if ref.kind == KIND_MIG:
             gi, _ = self._mig_parts(ref)
             total = self._profile_for(gi, model).memory_size_mib * MIB
         else:
             total = model.memory_mib * MIB
-        mig_uuid = self.mig_uuid(ref.gpu, ref.gi, ref.ci) if ref.kind == _KIND_MIG else None
+        mig_uuid = self.mig_uuid(ref.gpu, ref.gi, ref.ci) if ref.kind == KIND_MIG else None
         used, reserved = self._live_memory(ref.gpu, total, mig_uuid)
         if not version:
             return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
         if version != pynvml.nvmlMemory_v2:
-            raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            raise nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved,
                                         free=total - used - reserved, used=used)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetArchitecture(self, handle: Any) -> int:
         return self._model(self._device(handle, allow_mig=True)).architecture
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         return self._model(self._device(handle, allow_mig=True)).compute_capability
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
         # Only GPUs that are NUMA nodes themselves (coherent platforms) answer; these x86 nodes do not.
         self._device(handle)
-        raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetAttributes(self, handle: Any) -> Any:
         ref = self._device(handle, allow_mig=True)
         model = self._model(ref)
         attrs = pynvml.c_nvmlDeviceAttributes()
-        if ref.kind == _KIND_MIG:
+        if ref.kind == KIND_MIG:
             gi, _ = self._mig_parts(ref)
             profile = self._profile_for(gi, model)
             attrs.multiprocessorCount = profile.multiprocessor_count
@@ -205,26 +205,26 @@ class FakeCalls(FakeMig):
 
     # --- topology and NVLink -----------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
         a, b = self._device(device1).gpu, self._device(device2).gpu
         if a == b:
             return int(pynvml.NVML_TOPOLOGY_INTERNAL)
-        return int(_PCIE_TOPOLOGY[self.spec.pcie_level(a, b)])
+        return int(PCIE_TOPOLOGY[self.spec.pcie_level(a, b)])
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
         _, end = self._link_end(device, link)
         return int(pynvml.NVML_FEATURE_DISABLED if end is None else pynvml.NVML_FEATURE_ENABLED)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
         gpu, end = self._active_link(device, link)
         if end.to_switch:
             return self._switch_pci_info(gpu, end.peer)
         return self._pci_info(self.spec.gpus[end.peer])
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
         _, end = self._active_link(handle, link)
         kind = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH if end.to_switch else pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
@@ -232,34 +232,34 @@ class FakeCalls(FakeMig):
 
     # --- events ------------------------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlEventSetCreate(self) -> Any:
         key = self._next_event_set
         self._next_event_set += 1
-        self._event_sets[key] = _EventSet()
-        return _Ref(_KIND_EVENT_SET, token=key).handle(pynvml.c_nvmlEventSet_t)
+        self._event_sets[key] = EventSet()
+        return Ref(KIND_EVENT_SET, token=key).handle(pynvml.c_nvmlEventSet_t)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
         self._device(handle)
         return int(SUPPORTED_EVENTS)
 
-    @_api()
+    @api_call()
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
         ref = self._device(handle)
         event_set = self._event_set(eventSet)
         if eventTypes & ~SUPPORTED_EVENTS:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         event_set.registrations[ref.gpu] = event_set.registrations.get(ref.gpu, 0) | eventTypes
 
-    @_api()
+    @api_call()
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
         """Block up to ``timeoutms`` for an event (the lock is released while waiting); Timeout if none."""
         event_set = self._event_set(eventSet)
         deadline = time.monotonic() + max(0, timeoutms) / 1000
         while True:
             if event_set.freed:
-                raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+                raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             if event_set.queue:
                 record = event_set.queue.popleft()
                 data = pynvml.c_nvmlEventData_t()
@@ -272,7 +272,7 @@ class FakeCalls(FakeMig):
                 return data
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise _nvml_error(pynvml.NVML_ERROR_TIMEOUT)
+                raise nvml_error(pynvml.NVML_ERROR_TIMEOUT)
             if self.state_file is None:
                 self._events_ready.wait(remaining)
             else:
@@ -280,11 +280,11 @@ class FakeCalls(FakeMig):
                 self._events_ready.wait(min(remaining, _CROSS_PROCESS_POLL_S))
                 self._sync()
 
-    @_api()
+    @api_call()
     def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
         return self.nvmlEventSetWait_v2(eventSet, timeoutms)
 
-    @_api()
+    @api_call()
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         event_set = self._event_set(eventSet)
         event_set.freed = True
@@ -292,7 +292,7 @@ class FakeCalls(FakeMig):
 
     # --- health ------------------------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
         state = self._gpu_state(self._device(handle).gpu)
         corrected = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
@@ -305,67 +305,67 @@ class FakeCalls(FakeMig):
             (uncorrected, aggregate): state.ecc_uncorrected_aggregate,
         }
         if (errorType, counterType) not in counters:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return counters[errorType, counterType]
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetEccMode(self, handle: Any) -> list[int]:
         self._device(handle)
         return [pynvml.NVML_FEATURE_ENABLED, pynvml.NVML_FEATURE_ENABLED]
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetRetiredPagesPendingStatus(self, device: Any) -> int:
         """Page retirement is the pre-Ampere mechanism; Ampere and later remap rows instead."""
         ref = self._device(device)
         if self._model(ref).architecture >= pynvml.NVML_DEVICE_ARCH_AMPERE:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return int(self._gpu_state(ref.gpu).retired_pages_pending)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
         """Ampere and later; not on a MIG-enabled GPU while it has GPU instances."""
         ref = self._device(device)
         state = self._gpu_state(ref.gpu)
         if self._model(ref).architecture < pynvml.NVML_DEVICE_ARCH_AMPERE:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE and state.gpu_instances:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return (state.remapped_correctable, state.remapped_uncorrectable,
                 int(state.remap_pending), int(state.remap_failure))
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
         return self._gpu_state(self._device(handle).gpu).clocks_event_reasons
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetTemperatureV(
         self, handle: Any, sensor: int, version: int = pynvml.nvmlTemperature_v1
     ) -> int:
         if version != pynvml.nvmlTemperature_v1:
-            raise _nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            raise nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         return self._temperature(handle, sensor)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
         return self._temperature(handle, sensor)
 
     def _temperature(self, handle: Any, sensor: int) -> int:
         ref = self._device(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self._live_temperature(ref.gpu, self._gpu_state(ref.gpu).temperature_c)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
         ref = self._device(handle)
         return self._live_power_mw(ref.gpu, self._gpu_state(ref.gpu).power_mw)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         """Busy percentages over the last sample period; NotSupported with MIG on, as on real GPUs."""
         ref = self._device(handle)
         state = self._gpu_state(ref.gpu)
         if state.mig_current == pynvml.NVML_DEVICE_MIG_ENABLE:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return pynvml.c_nvmlUtilization_t(*self._live_utilization(ref.gpu, state.utilization_gpu,
                                                                   state.utilization_memory))

@@ -9,13 +9,13 @@ from collections import deque
 import pynvml
 
 from agent.nvml.fake_calls import FakeCalls
-from agent.nvml.fake_state import API_FUNCTIONS, WHOLE_GPU, _fault, _GpuState, _nvml_error
+from agent.nvml.fake_state import API_FUNCTIONS, WHOLE_GPU, GpuState, fault_call, nvml_error
 
 
 class FakeFaults(FakeCalls):
     """Fault injection and simulated operator actions (not pynvml functions; no nvmlInit needed)."""
 
-    @_fault
+    @fault_call
     def inject_xid(
         self, gpu_index: int, xid: int, gi_id: int | None = None, ci_id: int | None = None
     ) -> None:
@@ -27,13 +27,13 @@ class FakeFaults(FakeCalls):
         ci = WHOLE_GPU if ci_id is None else ci_id
         self._record_event(gpu_index, pynvml.nvmlEventTypeXidCriticalError, xid, gi, ci)
 
-    @_fault
+    @fault_call
     def set_gpu_lost(self, gpu_index: int, lost: bool = True) -> None:
         """A lost GPU (fallen off the bus) answers every call about it with GpuIsLost."""
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).lost = lost
 
-    @_fault
+    @fault_call
     def set_ecc_uncorrected(self, gpu_index: int, count: int) -> None:
         """Set the volatile uncorrected ECC count; a rise also adds to the aggregate count and raises a
         double-bit ECC event."""
@@ -45,14 +45,14 @@ class FakeFaults(FakeCalls):
             state.ecc_uncorrected_aggregate += rise
             self._record_event(gpu_index, pynvml.nvmlEventTypeDoubleBitEccError, 0, WHOLE_GPU, WHOLE_GPU)
 
-    @_fault
+    @fault_call
     def set_ecc_corrected(self, gpu_index: int, count: int) -> None:
         self._check_gpu_index(gpu_index)
         state = self._gpu_state(gpu_index)
         state.ecc_corrected_aggregate += max(0, count - state.ecc_corrected_volatile)
         state.ecc_corrected_volatile = count
 
-    @_fault
+    @fault_call
     def set_remapped_rows(
         self,
         gpu_index: int,
@@ -68,46 +68,46 @@ class FakeFaults(FakeCalls):
         state.remap_pending, state.remap_failure = pending, failure
         state.remapped_correctable, state.remapped_uncorrectable = correctable, uncorrectable
 
-    @_fault
+    @fault_call
     def set_retired_pages_pending(self, gpu_index: int, pending: bool = True) -> None:
         gpu = self._check_gpu_index(gpu_index)
         if gpu.model.architecture >= pynvml.NVML_DEVICE_ARCH_AMPERE:
             raise ValueError(f"GPU {gpu_index} ({gpu.model.key}) remaps rows instead of retiring pages")
         self._gpu_state(gpu_index).retired_pages_pending = pending
 
-    @_fault
+    @fault_call
     def set_clocks_event_reasons(self, gpu_index: int, reasons: int) -> None:
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).clocks_event_reasons = reasons
 
-    @_fault
+    @fault_call
     def set_temperature(self, gpu_index: int, celsius: int) -> None:
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).temperature_c = celsius
 
-    @_fault
+    @fault_call
     def set_power_usage(self, gpu_index: int, milliwatts: int) -> None:
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).power_mw = milliwatts
 
-    @_fault
+    @fault_call
     def set_utilization(self, gpu_index: int, gpu_percent: int, memory_percent: int = 0) -> None:
         self._check_gpu_index(gpu_index)
         state = self._gpu_state(gpu_index)
         state.utilization_gpu, state.utilization_memory = gpu_percent, memory_percent
 
-    @_fault
+    @fault_call
     def set_gpu_busy(self, gpu_index: int, busy: bool = True) -> None:
         """Mark the GPU as held by clients: MIG mode changes stay pending and resets fail with InUse."""
         self._check_gpu_index(gpu_index)
         self._gpu_state(gpu_index).busy = busy
 
-    @_fault
+    @fault_call
     def set_driver_loaded(self, loaded: bool = True) -> None:
         """Without the driver, nvmlInit raises DriverNotLoaded."""
         self._state.driver_loaded = loaded
 
-    @_fault
+    @fault_call
     def reset_gpu(self, gpu_index: int) -> None:
         """What ``nvidia-smi -r`` does: apply a pending MIG mode, drop the MIG layout, clear volatile ECC
         counts and apply pending row remaps or page retirements. Fails with InUse while the GPU has
@@ -115,12 +115,12 @@ class FakeFaults(FakeCalls):
         self._check_gpu_index(gpu_index)
         state = self._gpu_state(gpu_index)
         if state.lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         if state.busy:
-            raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
+            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
         self._reset(state)
 
-    @_fault
+    @fault_call
     def reboot(self) -> None:
         """A node reboot: every GPU is reset and loses its clients; MIG modes persist, layouts do not."""
         for gpu in self.spec.gpus:
@@ -128,7 +128,7 @@ class FakeFaults(FakeCalls):
             state.busy = False
             self._reset(state)
 
-    def _reset(self, state: _GpuState) -> None:
+    def _reset(self, state: GpuState) -> None:
         state.mig_current = state.mig_pending
         self._clear_layout(state)
         state.ecc_corrected_volatile = 0

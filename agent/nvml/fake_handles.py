@@ -11,10 +11,10 @@ from typing import Any
 import pynvml
 
 from agent.nvml.catalog import GpuModel, MigProfile, Placement
-from agent.nvml.fake_state import FakeState, _ComputeInstance, _EventSet, _GpuInstance, _GpuState, _nvml_error
+from agent.nvml.fake_state import ComputeInstance, EventSet, FakeState, GpuInstance, GpuState, nvml_error
 from agent.nvml.nodefile import GpuSpec
 
-_PCIE_TOPOLOGY = {
+PCIE_TOPOLOGY = {
     "single": pynvml.NVML_TOPOLOGY_SINGLE,
     "multiple": pynvml.NVML_TOPOLOGY_MULTIPLE,
     "hostbridge": pynvml.NVML_TOPOLOGY_HOSTBRIDGE,
@@ -37,11 +37,11 @@ _CArgObject = type(ctypes.byref(ctypes.c_uint()))
 
 # --- handles -------------------------------------------------------------------------------------------
 
-_KIND_GPU, _KIND_MIG, _KIND_GI, _KIND_CI, _KIND_EVENT_SET = 1, 2, 3, 4, 5
+KIND_GPU, KIND_MIG, KIND_GI, KIND_CI, KIND_EVENT_SET = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
-class _Ref:
+class Ref:
     """What a handle names: kind, GPU index, GPU-instance id, compute-instance id, token."""
 
     kind: int
@@ -56,7 +56,7 @@ class _Ref:
         return fields | (self.token & 0xFFFFFFFF)
 
     @classmethod
-    def of(cls, handle: Any) -> _Ref | None:
+    def of(cls, handle: Any) -> Ref | None:
         try:
             address = ctypes.cast(handle, ctypes.c_void_p).value
         except (TypeError, ctypes.ArgumentError):
@@ -95,14 +95,14 @@ def _referent(ref: Any, what: str) -> Any:
     raise TypeError(f"{what} must be passed by reference (ctypes.byref), got {type(ref).__name__}")
 
 
-def _count_ref(ref: Any) -> Any:
+def count_reference(ref: Any) -> Any:
     count = _referent(ref, "count")
     if not isinstance(count, ctypes.c_uint):
         raise TypeError(f"count must refer to a ctypes.c_uint, got {type(count).__name__}")
     return count
 
 
-def _out_array(ref: Any, element: Any) -> tuple[Any, int | None]:
+def out_array(ref: Any, element: Any) -> tuple[Any, int | None]:
     """A pointer to write ``element`` values through, and the buffer length when it is known."""
     if ref is None:
         return None, None
@@ -118,9 +118,9 @@ def _out_array(ref: Any, element: Any) -> tuple[Any, int | None]:
     raise TypeError(f"expected a ctypes array of {element.__name__}, got {type(ref).__name__}")
 
 
-def _placement_arg(ref: Any) -> Placement:
+def placement_arg(ref: Any) -> Placement:
     if ref is None:
-        raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     struct = _referent(ref, "placement")
     if ctypes.sizeof(struct) != ctypes.sizeof(pynvml.c_nvmlGpuInstancePlacement_t):
         raise TypeError(f"placement must be a c_nvmlGpuInstancePlacement_t, got {type(struct).__name__}")
@@ -128,7 +128,7 @@ def _placement_arg(ref: Any) -> Placement:
     return Placement(int(value.start), int(value.size))
 
 
-def _text_arg(value: Any) -> str:
+def text_arg(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -140,7 +140,7 @@ class FakeHandles(FakeState):
 
     # --- lookups -----------------------------------------------------------------------------------
 
-    def _gpu_state(self, index: int) -> _GpuState:
+    def _gpu_state(self, index: int) -> GpuState:
         return self._state.gpus[self.spec.gpus[index].uuid]
 
     def _check_gpu_index(self, index: int) -> GpuSpec:
@@ -148,59 +148,59 @@ class FakeHandles(FakeState):
             raise IndexError(f"GPU index {index} out of range 0..{len(self.spec.gpus) - 1}")
         return self.spec.gpus[index]
 
-    def _ref(self, handle: Any, kinds: tuple[int, ...]) -> _Ref:
-        ref = _Ref.of(handle)
+    def _ref(self, handle: Any, kinds: tuple[int, ...]) -> Ref:
+        ref = Ref.of(handle)
         if ref is None or ref.kind not in kinds or ref.gpu >= len(self.spec.gpus):
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return ref
 
-    def _device(self, handle: Any, *, allow_mig: bool = False, check_lost: bool = True) -> _Ref:
+    def _device(self, handle: Any, *, allow_mig: bool = False, check_lost: bool = True) -> Ref:
         """Decode a device handle (a GPU, or a MIG device where allowed); a lost GPU raises GpuIsLost."""
-        ref = self._ref(handle, (_KIND_GPU, _KIND_MIG) if allow_mig else (_KIND_GPU,))
-        if ref.kind == _KIND_MIG:
+        ref = self._ref(handle, (KIND_GPU, KIND_MIG) if allow_mig else (KIND_GPU,))
+        if ref.kind == KIND_MIG:
             self._mig_parts(ref)
         if check_lost and self._gpu_state(ref.gpu).lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return ref
 
-    def _mig_parts(self, ref: _Ref) -> tuple[_GpuInstance, _ComputeInstance]:
+    def _mig_parts(self, ref: Ref) -> tuple[GpuInstance, ComputeInstance]:
         gi = self._gpu_state(ref.gpu).gi(ref.gi)
         ci = gi.ci(ref.ci) if gi is not None else None
         if gi is None or ci is None or ci.token != ref.token:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gi, ci
 
-    def _gi(self, handle: Any) -> tuple[_Ref, _GpuInstance]:
-        ref = self._ref(handle, (_KIND_GI,))
+    def _gi(self, handle: Any) -> tuple[Ref, GpuInstance]:
+        ref = self._ref(handle, (KIND_GI,))
         gi = self._gpu_state(ref.gpu).gi(ref.gi)
         if gi is None or gi.token != ref.token:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if self._gpu_state(ref.gpu).lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return ref, gi
 
-    def _ci(self, handle: Any) -> tuple[_Ref, _GpuInstance, _ComputeInstance]:
-        ref = self._ref(handle, (_KIND_CI,))
+    def _ci(self, handle: Any) -> tuple[Ref, GpuInstance, ComputeInstance]:
+        ref = self._ref(handle, (KIND_CI,))
         gi, ci = self._mig_parts(ref)
         if self._gpu_state(ref.gpu).lost:
-            raise _nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
+            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return ref, gi, ci
 
-    def _model(self, ref: _Ref) -> GpuModel:
+    def _model(self, ref: Ref) -> GpuModel:
         return self.spec.gpus[ref.gpu].model
 
     def _gpu_handle(self, index: int) -> Any:
-        return _Ref(_KIND_GPU, gpu=index).handle(pynvml.c_nvmlDevice_t)
+        return Ref(KIND_GPU, gpu=index).handle(pynvml.c_nvmlDevice_t)
 
-    def _gi_handle(self, index: int, gi: _GpuInstance) -> Any:
-        return _Ref(_KIND_GI, gpu=index, gi=gi.id, token=gi.token).handle(pynvml.c_nvmlGpuInstance_t)
+    def _gi_handle(self, index: int, gi: GpuInstance) -> Any:
+        return Ref(KIND_GI, gpu=index, gi=gi.id, token=gi.token).handle(pynvml.c_nvmlGpuInstance_t)
 
-    def _ci_handle(self, index: int, gi: _GpuInstance, ci: _ComputeInstance) -> Any:
-        ref = _Ref(_KIND_CI, gpu=index, gi=gi.id, ci=ci.id, token=ci.token)
+    def _ci_handle(self, index: int, gi: GpuInstance, ci: ComputeInstance) -> Any:
+        ref = Ref(KIND_CI, gpu=index, gi=gi.id, ci=ci.id, token=ci.token)
         return ref.handle(pynvml.c_nvmlComputeInstance_t)
 
-    def _mig_handle(self, index: int, gi: _GpuInstance, ci: _ComputeInstance) -> Any:
-        ref = _Ref(_KIND_MIG, gpu=index, gi=gi.id, ci=ci.id, token=ci.token)
+    def _mig_handle(self, index: int, gi: GpuInstance, ci: ComputeInstance) -> Any:
+        ref = Ref(KIND_MIG, gpu=index, gi=gi.id, ci=ci.id, token=ci.token)
         return ref.handle(pynvml.c_nvmlDevice_t)
 
     def _next_token(self) -> int:
@@ -208,12 +208,12 @@ class FakeHandles(FakeState):
         self._state.next_token = token % 0xFFFFFFFF + 1
         return token
 
-    def _profile_for(self, gi: _GpuInstance, model: GpuModel) -> MigProfile:
+    def _profile_for(self, gi: GpuInstance, model: GpuModel) -> MigProfile:
         profile = model.profile_by_id(gi.profile_id)
         assert profile is not None, f"GPU instance {gi.id} has profile {gi.profile_id} unknown to {model.key}"
         return profile
 
-    def _mig_devices(self, index: int) -> list[tuple[_GpuInstance, _ComputeInstance]]:
+    def _mig_devices(self, index: int) -> list[tuple[GpuInstance, ComputeInstance]]:
         """The GPU's MIG devices in enumeration order: by GPU-instance id, then compute-instance id."""
         state = self._gpu_state(index)
         return [(gi, ci) for gi in sorted(state.gpu_instances, key=lambda g: g.id)
@@ -265,22 +265,22 @@ class FakeHandles(FakeState):
         ref = self._device(handle)
         gpu = self.spec.gpus[ref.gpu]
         if not 0 <= link < pynvml.NVML_NVLINK_MAX_LINKS:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if link >= gpu.model.nvlink_links:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu, self._links[ref.gpu][link]
 
     def _active_link(self, handle: Any, link: int) -> tuple[GpuSpec, _LinkEnd]:
         gpu, end = self._link_end(handle, link)
         if end is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu, end
 
-    def _event_set(self, handle: Any) -> _EventSet:
-        ref = _Ref.of(handle)
+    def _event_set(self, handle: Any) -> EventSet:
+        ref = Ref.of(handle)
         event_set = None
-        if ref is not None and ref.kind == _KIND_EVENT_SET:
+        if ref is not None and ref.kind == KIND_EVENT_SET:
             event_set = self._event_sets.get(ref.token)
         if event_set is None or event_set.freed:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return event_set

@@ -9,8 +9,8 @@ from typing import Any
 import pynvml
 
 from agent.nvml.catalog import GpuModel, MigProfile, Placement
-from agent.nvml.fake_handles import _KIND_MIG, FakeHandles, _count_ref, _out_array, _placement_arg, _Ref
-from agent.nvml.fake_state import _api, _ComputeInstance, _GpuInstance, _GpuState, _nvml_error
+from agent.nvml.fake_handles import KIND_MIG, FakeHandles, Ref, count_reference, out_array, placement_arg
+from agent.nvml.fake_state import ComputeInstance, GpuInstance, GpuState, api_call, nvml_error
 
 MAX_MIG_DEVICES = 7
 """One MIG device per compute slice at most."""
@@ -36,29 +36,29 @@ class FakeMig(FakeHandles):
 
     # --- MIG helpers -------------------------------------------------------------------------------
 
-    def _mig_model(self, ref: _Ref) -> GpuModel:
+    def _mig_model(self, ref: Ref) -> GpuModel:
         model = self._model(ref)
         if not model.mig_capable:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return model
 
-    def _mig_enabled(self, ref: _Ref) -> GpuModel:
+    def _mig_enabled(self, ref: Ref) -> GpuModel:
         model = self._mig_model(ref)
         if self._gpu_state(ref.gpu).mig_current != pynvml.NVML_DEVICE_MIG_ENABLE:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return model
 
     def _gi_profile(self, model: GpuModel, profile_id: int) -> MigProfile:
         profile = model.profile_by_id(profile_id)
         if profile is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return profile
 
-    def _profiles_listable(self, ref: _Ref) -> GpuModel:
+    def _profiles_listable(self, ref: Ref) -> GpuModel:
         model = self._mig_model(ref)
         mig_on = self._gpu_state(ref.gpu).mig_current == pynvml.NVML_DEVICE_MIG_ENABLE
         if not mig_on and self.spec.driver_major < PROFILES_WITHOUT_MIG_FROM_DRIVER:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return model
 
     @staticmethod
@@ -69,7 +69,7 @@ class FakeMig(FakeHandles):
         elif version == 1:
             info = pynvml.c_nvmlGpuInstanceProfileInfo_t()
         else:
-            raise _nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         info.id = profile.id
         info.isP2pSupported = 0
         info.sliceCount = profile.slice_count
@@ -84,7 +84,7 @@ class FakeMig(FakeHandles):
         return info
 
     @staticmethod
-    def _occupied(state: _GpuState) -> list[Placement]:
+    def _occupied(state: GpuState) -> list[Placement]:
         return [Placement(g.start, g.size) for g in state.gpu_instances]
 
     @staticmethod
@@ -97,7 +97,7 @@ class FakeMig(FakeHandles):
         still fits at 0:4); it is a model, not NVIDIA's algorithm."""
         candidates = self._free(profile.placements, occupied)
         if not candidates:
-            raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         every = sorted({p for q in model.mig_profiles for p in q.placements})
         still_free = self._free(tuple(every), occupied)
         return min(candidates, key=lambda c: (sum(_overlaps(c, p) for p in still_free), c.start))
@@ -108,15 +108,15 @@ class FakeMig(FakeHandles):
         profile = self._gi_profile(model, profile_id)
         state = self._gpu_state(ref.gpu)
         if placement is not None and placement not in profile.placements:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if sum(g.profile_id == profile_id for g in state.gpu_instances) >= profile.instance_count:
-            raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         occupied = self._occupied(state)
         if placement is None:
             placement = self._choose_placement(model, profile, occupied)
         elif any(_overlaps(placement, o) for o in occupied):
-            raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        gi = _GpuInstance(
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        gi = GpuInstance(
             id=_gi_id_for(placement),
             profile_id=profile_id,
             start=placement.start,
@@ -127,31 +127,31 @@ class FakeMig(FakeHandles):
         return self._gi_handle(ref.gpu, gi)
 
     def _write_handles(self, out: Any, count_ref: Any, handles: list[Any], element: Any) -> None:
-        count = _count_ref(count_ref)
-        pointer, length = _out_array(out, element)
+        count = count_reference(count_ref)
+        pointer, length = out_array(out, element)
         if pointer is None:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         capacity = length if length is not None else count.value
         if capacity < len(handles):
             count.value = len(handles)
-            raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
         for i, h in enumerate(handles):
             pointer[i] = h
         count.value = len(handles)
 
-    def _clear_layout(self, state: _GpuState) -> None:
+    def _clear_layout(self, state: GpuState) -> None:
         state.gpu_instances = []
 
     # --- MIG mode ----------------------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
         ref = self._device(device)
         self._mig_model(ref)
         state = self._gpu_state(ref.gpu)
         return [state.mig_current, state.mig_pending]
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
         """Returns the activation status (docs/reference/mig-profiles.md, "Mode changes"). Hopper and later
         switch at once when the GPU is idle; Ampere keeps the new mode pending until a GPU reset (``reset_gpu``),
@@ -160,10 +160,10 @@ class FakeMig(FakeHandles):
         ref = self._device(device)
         model = self._mig_model(ref)
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         state = self._gpu_state(ref.gpu)
         if mode == pynvml.NVML_DEVICE_MIG_DISABLE and state.gpu_instances:
-            raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
+            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
         state.mig_pending = mode
         if state.mig_current == mode:
             return int(pynvml.NVML_SUCCESS)
@@ -175,19 +175,19 @@ class FakeMig(FakeHandles):
 
     # --- GPU-instance profiles ---------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
         ref = self._device(device)
         model = self._mig_model(ref)
         if not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self._profiles_listable(ref)
         found = model.profile_by_index(profile)
         if found is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return self._gi_profile_struct(found, version)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
         ref = self._device(device)
         model = self._profiles_listable(ref)
@@ -197,7 +197,7 @@ class FakeMig(FakeHandles):
     nvmlDeviceGetGpuInstanceProfileInfoV = nvmlDeviceGetGpuInstanceProfileInfo
     nvmlDeviceGetGpuInstanceProfileInfoByIdV = nvmlDeviceGetGpuInstanceProfileInfoById
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
         ref = self._device(device)
         profile = self._gi_profile(self._mig_enabled(ref), profileId)
@@ -205,7 +205,7 @@ class FakeMig(FakeHandles):
         left = profile.instance_count - sum(g.profile_id == profileId for g in state.gpu_instances)
         return max(0, min(left, len(self._free(profile.placements, self._occupied(state)))))
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstancePossiblePlacements(
         self, device: Any, profileId: int, placementsRef: Any, countRef: Any
     ) -> int:
@@ -213,14 +213,14 @@ class FakeMig(FakeHandles):
         otherwise ``countRef`` holds the array's capacity on entry (InsufficientSize when short)."""
         ref = self._device(device)
         profile = self._gi_profile(self._mig_enabled(ref), profileId)
-        count = _count_ref(countRef)
-        pointer, length = _out_array(placementsRef, pynvml.c_nvmlGpuInstancePlacement_t)
+        count = count_reference(countRef)
+        pointer, length = out_array(placementsRef, pynvml.c_nvmlGpuInstancePlacement_t)
         needed = len(profile.placements)
         if pointer is not None:
             capacity = count.value if length is None else min(count.value, length)
             if capacity < needed:
                 count.value = needed
-                raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+                raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
             for i, p in enumerate(profile.placements):
                 pointer[i].start = p.start
                 pointer[i].size = p.size
@@ -229,15 +229,15 @@ class FakeMig(FakeHandles):
 
     # --- GPU instances -----------------------------------------------------------------------------
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
         return self._create_gi(device, profileId, None)
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, device: Any, profileId: int, placement: Any) -> Any:
-        return self._create_gi(device, profileId, _placement_arg(placement))
+        return self._create_gi(device, profileId, placement_arg(placement))
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstances(
         self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any
     ) -> int:
@@ -249,16 +249,16 @@ class FakeMig(FakeHandles):
         self._write_handles(gpuInstancesRef, countRef, handles, pynvml.c_nvmlGpuInstance_t)
         return int(pynvml.NVML_SUCCESS)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         ref = self._device(device)
         self._mig_enabled(ref)
         gi = self._gpu_state(ref.gpu).gi(gpuInstanceId)
         if gi is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         return self._gi_handle(ref.gpu, gi)
 
-    @_api()
+    @api_call()
     def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> Any:
         ref, gi = self._gi(gpuInstance)
         info = pynvml.c_nvmlGpuInstanceInfo_t()
@@ -268,40 +268,40 @@ class FakeMig(FakeHandles):
         info.placement = pynvml.c_nvmlGpuInstancePlacement_t(gi.start, gi.size)
         return info
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         ref, gi = self._gi(gpuInstance)
         if gi.compute_instances:
-            raise _nvml_error(pynvml.NVML_ERROR_IN_USE)
+            raise nvml_error(pynvml.NVML_ERROR_IN_USE)
         state = self._gpu_state(ref.gpu)
         state.gpu_instances = [g for g in state.gpu_instances if g.id != gi.id]
         return int(pynvml.NVML_SUCCESS)
 
     # --- compute instances -------------------------------------------------------------------------
 
-    def _ci_profile(self, ref: _Ref, gi: _GpuInstance) -> MigProfile:
+    def _ci_profile(self, ref: Ref, gi: GpuInstance) -> MigProfile:
         return self._profile_for(gi, self._model(ref))
 
-    @_api()
+    @api_call()
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(
         self, device: Any, profile: int, engProfile: int, version: int = 2
     ) -> Any:
         """Only the compute-instance profile that spans the whole GPU instance is offered."""
         ref, gi = self._gi(device)
         if not 0 <= profile < pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if not 0 <= engProfile < pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gi_profile = self._ci_profile(ref, gi)
         if profile != gi_profile.ci_profile_index:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if version == 2:
             info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
             info.name = f"MIG {gi_profile.name}".encode()
         elif version == 1:
             info = pynvml.c_nvmlComputeInstanceProfileInfo_t()
         else:
-            raise _nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         info.id = gi_profile.ci_profile_id
         info.sliceCount = gi_profile.slice_count
         info.instanceCount = 1
@@ -315,46 +315,46 @@ class FakeMig(FakeHandles):
 
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
-    @_api()
+    @api_call()
     def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(self, gpuInstance: Any, profileId: int) -> int:
         ref, gi = self._gi(gpuInstance)
         if profileId != self._ci_profile(ref, gi).ci_profile_id:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return 0 if gi.compute_instances else 1
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         ref, gi = self._gi(gpuInstance)
         profile = self._ci_profile(ref, gi)
         if profileId != profile.ci_profile_id:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if gi.compute_instances:
-            raise _nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-        ci = _ComputeInstance(id=0, profile_id=profileId, start=0, size=profile.slice_count,
+            raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        ci = ComputeInstance(id=0, profile_id=profileId, start=0, size=profile.slice_count,
                               token=self._next_token())
         gi.compute_instances.append(ci)
         return self._ci_handle(ref.gpu, gi, ci)
 
-    @_api()
+    @api_call()
     def nvmlGpuInstanceGetComputeInstances(
         self, gpuInstance: Any, profileId: int, computeInstancesRef: Any, countRef: Any
     ) -> int:
         ref, gi = self._gi(gpuInstance)
         if profileId != self._ci_profile(ref, gi).ci_profile_id:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         handles = [self._ci_handle(ref.gpu, gi, c) for c in sorted(gi.compute_instances, key=lambda c: c.id)]
         self._write_handles(computeInstancesRef, countRef, handles, pynvml.c_nvmlComputeInstance_t)
         return int(pynvml.NVML_SUCCESS)
 
-    @_api()
+    @api_call()
     def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: Any, computeInstanceId: int) -> Any:
         ref, gi = self._gi(gpuInstance)
         ci = gi.ci(computeInstanceId)
         if ci is None:
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         return self._ci_handle(ref.gpu, gi, ci)
 
-    @_api()
+    @api_call()
     def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> Any:
         ref, gi, ci = self._ci(computeInstance)
         info = pynvml.c_nvmlComputeInstanceInfo_t()
@@ -365,11 +365,11 @@ class FakeMig(FakeHandles):
         info.placement = pynvml.c_nvmlComputeInstancePlacement_t(ci.start, ci.size)
         return info
 
-    @_api()
+    @api_call()
     def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any:
         return self.nvmlComputeInstanceGetInfo_v2(computeInstance)
 
-    @_api(mutates=True)
+    @api_call(mutates=True)
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
         _, gi, ci = self._ci(computeInstance)
         gi.compute_instances = [c for c in gi.compute_instances if c.id != ci.id]
@@ -377,44 +377,44 @@ class FakeMig(FakeHandles):
 
     # --- MIG devices -------------------------------------------------------------------------------
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
         """Zero unless MIG is supported and enabled."""
         ref = self._device(device)
         enabled = self._gpu_state(ref.gpu).mig_current == pynvml.NVML_DEVICE_MIG_ENABLE
         return MAX_MIG_DEVICES if self._model(ref).mig_capable and enabled else 0
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         ref = self._device(device)
         self._mig_model(ref)
         if not 0 <= index < MAX_MIG_DEVICES:
-            raise _nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         devices = self._mig_devices(ref.gpu)
         if index >= len(devices):
-            raise _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
         gi, ci = devices[index]
         return self._mig_handle(ref.gpu, gi, ci)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
-        ref = self._ref(migDevice, (_KIND_MIG,))
+        ref = self._ref(migDevice, (KIND_MIG,))
         self._mig_parts(ref)
         return self._gpu_handle(ref.gpu)
 
-    @_api()
+    @api_call()
     def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> Any:
         ref = self._device(device, allow_mig=True, check_lost=False)
-        return ctypes.c_uint(1 if ref.kind == _KIND_MIG else 0)
+        return ctypes.c_uint(1 if ref.kind == KIND_MIG else 0)
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
-        ref = self._ref(device, (_KIND_MIG,))
+        ref = self._ref(device, (KIND_MIG,))
         gi, _ = self._mig_parts(ref)
         return gi.id
 
-    @_api()
+    @api_call()
     def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
-        ref = self._ref(device, (_KIND_MIG,))
+        ref = self._ref(device, (KIND_MIG,))
         _, ci = self._mig_parts(ref)
         return ci.id

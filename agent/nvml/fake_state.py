@@ -47,7 +47,7 @@ it, and reading any file up to it costs at most 20 MB of memory and 1 s of CPU (
 log = logging.getLogger("agent.nvml.fake")
 
 
-def _nvml_error(code: int) -> pynvml.NVMLError:
+def nvml_error(code: int) -> pynvml.NVMLError:
     error: pynvml.NVMLError = pynvml.NVMLError(code)
     return error
 
@@ -59,7 +59,7 @@ class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _ComputeInstance(_Record):
+class ComputeInstance(_Record):
     id: int
     profile_id: int
     start: int
@@ -67,22 +67,22 @@ class _ComputeInstance(_Record):
     token: int
 
 
-class _GpuInstance(_Record):
+class GpuInstance(_Record):
     id: int
     profile_id: int
     start: int
     size: int
     token: int
-    compute_instances: list[_ComputeInstance] = []
+    compute_instances: list[ComputeInstance] = []
 
-    def ci(self, ci_id: int) -> _ComputeInstance | None:
+    def ci(self, ci_id: int) -> ComputeInstance | None:
         return next((c for c in self.compute_instances if c.id == ci_id), None)
 
 
-class _GpuState(_Record):
+class GpuState(_Record):
     mig_current: int = pynvml.NVML_DEVICE_MIG_DISABLE
     mig_pending: int = pynvml.NVML_DEVICE_MIG_DISABLE
-    gpu_instances: list[_GpuInstance] = []
+    gpu_instances: list[GpuInstance] = []
     lost: bool = False
     busy: bool = False
     ecc_corrected_volatile: int = 0
@@ -100,7 +100,7 @@ class _GpuState(_Record):
     utilization_gpu: int = 0
     utilization_memory: int = 0
 
-    def gi(self, gi_id: int) -> _GpuInstance | None:
+    def gi(self, gi_id: int) -> GpuInstance | None:
         return next((g for g in self.gpu_instances if g.id == gi_id), None)
 
 
@@ -119,18 +119,18 @@ class _State(_Record):
     driver_loaded: bool = True
     next_token: int = 1
     next_seq: int = 1
-    gpus: dict[str, _GpuState] = {}
+    gpus: dict[str, GpuState] = {}
     events: list[_EventRecord] = []
 
 
 @dataclass
-class _EventSet:
+class EventSet:
     registrations: dict[int, int] = field(default_factory=dict)
     queue: deque[_EventRecord] = field(default_factory=deque)
     freed: bool = False
 
 
-def _crash_after_from_env() -> int | None:
+def crash_after_from_env() -> int | None:
     text = os.environ.get(CRASH_AFTER_ENV)
     if text is None:
         return None
@@ -139,7 +139,7 @@ def _crash_after_from_env() -> int | None:
     return int(text)
 
 
-def _api(*, mutates: bool = False) -> Callable[
+def api_call(*, mutates: bool = False) -> Callable[
     [Callable[Concatenate[S, P], R]], Callable[Concatenate[S, P], R]
 ]:
     """Wrap a pynvml-named method: injected failures first, then the init check, then a state refresh."""
@@ -153,7 +153,7 @@ def _api(*, mutates: bool = False) -> Callable[
             with self._lock:
                 self._take_injected_failure(name)
                 if needs_init and self._refcount == 0:
-                    raise _nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
+                    raise nvml_error(pynvml.NVML_ERROR_UNINITIALIZED)
                 if not mutates:
                     self._sync()
                     return fn(self, *args, **kwargs)
@@ -169,7 +169,7 @@ def _api(*, mutates: bool = False) -> Callable[
     return wrap
 
 
-def _fault(fn: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
+def fault_call(fn: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Wrap a fault-injection method: exclusive access to the state, persisted afterwards."""
 
     @functools.wraps(fn)
@@ -198,7 +198,7 @@ class FakeState(FakeTelemetry):
     _crash_after: int | None
     _changes: int
     _failures: dict[str, deque[int]]
-    _event_sets: dict[int, _EventSet]
+    _event_sets: dict[int, EventSet]
     _next_event_set: int
     _file_key: tuple[int, int, int] | None
     state_problem: str | None
@@ -210,11 +210,11 @@ class FakeState(FakeTelemetry):
     # --- state and persistence ---------------------------------------------------------------------
 
     def _fresh_state(self) -> _State:
-        return _State(node=self.spec.name, gpus={g.uuid: _GpuState() for g in self.spec.gpus})
+        return _State(node=self.spec.name, gpus={g.uuid: GpuState() for g in self.spec.gpus})
 
     def _complete_state(self) -> None:
         for g in self.spec.gpus:
-            self._state.gpus.setdefault(g.uuid, _GpuState())
+            self._state.gpus.setdefault(g.uuid, GpuState())
 
     @staticmethod
     def _stat_key(path: Path) -> tuple[int, int, int] | None:
@@ -278,7 +278,7 @@ class FakeState(FakeTelemetry):
             if self.state_problem != str(err):
                 log.error("%s", err)
             self.state_problem = str(err)
-            raise _nvml_error(pynvml.NVML_ERROR_UNKNOWN) from None
+            raise nvml_error(pynvml.NVML_ERROR_UNKNOWN) from None
         self.state_problem = None
         self._state = state
         self._file_key = key
@@ -339,7 +339,7 @@ class FakeState(FakeTelemetry):
     def _take_injected_failure(self, name: str) -> None:
         codes = self._failures.get(name)
         if codes:
-            raise _nvml_error(codes.popleft())
+            raise nvml_error(codes.popleft())
 
     # --- events ------------------------------------------------------------------------------------
 

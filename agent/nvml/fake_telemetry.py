@@ -62,7 +62,7 @@ NVLINK_KIB_PER_S = 25e9 / 1024
 RESERVED_SHARE = 0.0065
 """Framebuffer the driver reserves, as a share of the total (about 530 MiB on an 80 GB GPU)."""
 
-_KIND_GPM_SAMPLE = 0x7E
+KIND_GPM_SAMPLE = 0x7E
 
 
 def _error(code: int) -> pynvml.NVMLError:
@@ -295,7 +295,7 @@ class FakeTelemetry:
         except (TypeError, ctypes.ArgumentError):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
         found = self._gpm_samples().get(address)
-        if address >> 56 != _KIND_GPM_SAMPLE or found is None:
+        if address >> 56 != KIND_GPM_SAMPLE or found is None:
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return address, found
 
@@ -315,7 +315,7 @@ class FakeTelemetry:
         state = self._telemetry()
         token = state["next_sample"]
         state["next_sample"] = token + 1
-        address = (_KIND_GPM_SAMPLE << 56) | token
+        address = (KIND_GPM_SAMPLE << 56) | token
         self._gpm_samples()[address] = _GpmSample(gpu=-1, gpu_instance=None)
         return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlGpmSample_t)
 

@@ -129,7 +129,7 @@ class FieldReader:
     def read(self, inventory: NodeInventory) -> tuple[DeviceReading, ...]:
         start = self._lib.calls
         readings: list[DeviceReading] = []
-        handles = self._backend._handles
+        handles = self._backend.handles
         self._refresh_mig_handles(inventory)
         for gpu in inventory.gpus:
             if gpu.index >= len(handles):
@@ -238,9 +238,9 @@ class FieldReader:
         self._mig_handles = {}
         wanted = set(key)
         for gpu in inventory.gpus:
-            if not gpu.mig_enabled or gpu.index >= len(self._backend._handles):
+            if not gpu.mig_enabled or gpu.index >= len(self._backend.handles):
                 continue
-            h = self._backend._handles[gpu.index]
+            h = self._backend.handle(gpu.index)
             with contextlib.suppress(pynvml.NVMLError):
                 for slot in range(int(lib.nvmlDeviceGetMaxMigDeviceCount(h))):
                     try:

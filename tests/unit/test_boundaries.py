@@ -6,7 +6,9 @@
   the modules it is built from (fake_state.py, fake_mig.py, ...);
 - a pure module (PURE) imports nothing that reaches the outside world (IO_MODULES), except the few names
   PURE_ALLOWANCES lists for one module with its reason, and nothing it imports from the package, however
-  indirectly, imports pynvml or ctypes.
+  indirectly, imports pynvml or ctypes;
+- no module reads another module's private names: no `from agent.x import _name`, and no `obj._name` (obj not
+  `self` or `cls`) for a `_name` that another module of the package defines and this one does not.
 
 The checker runs on a small fixture package first, so a checker that finds nothing cannot pass for the real tree.
 """
@@ -56,6 +58,7 @@ PURE = (
     "agent/mig/planner.py",
     "agent/nvml/records.py",
     "agent/nvml/catalog.py",
+    "agent/mps_client.py",
 )
 """Modules whose functions depend only on their arguments (globs, each matching at least one file)."""
 
@@ -70,6 +73,8 @@ PURE_ALLOWANCES: dict[str, dict[str, frozenset[str]]] = {
         "threading": frozenset({"Condition"}),
         "time": frozenset({"time"}),
     },
+    # Paths of the MPS daemons' directories, joined without touching the filesystem.
+    "agent/mps_client.py": {"pathlib": frozenset({"PurePath", "PurePosixPath"})},
 }
 """For one pure module: the I/O modules it may import and the only attributes of each it may use."""
 
@@ -241,6 +246,46 @@ def purity_violations(root: Path) -> list[str]:
     return problems
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, variables and attributes it assigns."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+    return {name for name in found if _private(name)}
+
+
+def private_reaches(root: Path) -> list[str]:
+    """Each place a module of the package takes another module's private name: an import of one from a module
+    of the package, or an attribute of something other than `self` or `cls` that another module defines and
+    this one does not (a private attribute of a third-party object, such as ctypes' `_obj`, is not counted)."""
+    trees = {path: ast.parse(path.read_text(), filename=str(path)) for path in package_files(root)}
+    defined = {path: private_names(tree) for path, tree in trees.items()}
+    everywhere = set().union(*defined.values())
+    problems = []
+    for path, tree in trees.items():
+        rel = path.relative_to(root).as_posix()
+        imported = {(imp.line, name) for imp in imports_of(root, path) if imp.top == "agent"
+                    for name in imp.names if _private(name)}
+        problems += [f"{rel}:{line} imports {name}" for line, name in sorted(imported)]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in everywhere and node.attr not in defined[path]:
+                problems.append(f"{rel}:{node.lineno} reads {ast.unparse(node)}")
+    return sorted(set(problems), key=lambda line: (line.split(":")[0], int(line.split(":")[1].split()[0]), line))
+
+
 # --- the checker on a fixture package --------------------------------------------------------------------
 
 FIXTURE = {
@@ -268,6 +313,7 @@ FIXTURE = {
     "agent/topology/model.py": "from ..nvml import records\n",
     "agent/health/__init__.py": "",
     "agent/health/policy.py": "import logging\nfrom subprocess import run\n",
+    "agent/mps_client.py": "from pathlib import PurePath\n",
 }
 
 
@@ -309,6 +355,37 @@ def test_the_checker_finds_io_and_nvml_reached_from_pure_modules(tmp_path: Path)
         "agent/health/policy.py:1 imports logging (I/O in a pure module)",
         "agent/health/policy.py:2 imports subprocess (I/O in a pure module)",
     ]
+
+
+PRIVATE_FIXTURE = {
+    "agent/__init__.py": "",
+    "agent/store.py": (
+        "import ctypes\n\nclass Store:\n    def __init__(self):\n        self._items = []\n\n"
+        "    def _load(self):\n        return self._items\n\n    def same(self, other):\n"
+        "        return other._items\n\n_CACHE = {}\n\ndef raw(ref):\n    return ref._obj\n"
+    ),
+    "agent/user.py": (
+        "from agent.store import Store, _CACHE\nfrom agent import store\n\ndef use(s: Store):\n"
+        "    s._load()\n    return store._CACHE, s._items, s.__class__\n"
+    ),
+    "agent/server.py": "import grpc\n\nclass Server:\n    def run(self):\n        return grpc._cython\n",
+}
+
+
+def test_the_checker_finds_private_names_read_across_modules(tmp_path: Path) -> None:
+    write_fixture(tmp_path, PRIVATE_FIXTURE)
+    # Not counted: self._x, another instance's attribute in the module that defines it (Store.same), a
+    # third-party object's private attribute (ctypes' _obj, grpc's _cython), dunders.
+    assert private_reaches(tmp_path) == [
+        "agent/user.py:1 imports _CACHE",
+        "agent/user.py:5 reads s._load",
+        "agent/user.py:6 reads s._items",
+        "agent/user.py:6 reads store._CACHE",
+    ]
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    assert private_reaches(REPO) == []
 
 
 def test_a_missing_pure_module_is_an_error_not_a_pass(tmp_path: Path) -> None:

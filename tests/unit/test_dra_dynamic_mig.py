@@ -345,7 +345,7 @@ async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path
     import functools
 
     from agent.dra.dynamic import state_file
-    from agent.dra.publisher import SliceApi, publisher_for
+    from agent.dra.publisher import SliceApi, slice_api
     from agent.kube.node import Credentials, NodeApi
 
     state, _, backend = mig_node()
@@ -353,8 +353,11 @@ async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path
     kube = NodeApi(Credentials("https://127.0.0.1:6443", False, token="t"), "n")
     errors: list[int] = []
     modes: list[str] = []
-    publisher = publisher_for(kube, StateBus(state), DRIVER, lambda: errors.append(1), modes.append,
-                              make=functools.partial(DynamicSlicePublisher, dynamic=dynamic))
+    shared = slice_api(kube)
+    assert shared is not None
+    client, node = shared
+    publisher = functools.partial(DynamicSlicePublisher, dynamic=dynamic)(
+        client, StateBus(state), node, DRIVER, on_error=lambda: errors.append(1), on_health_mode=modes.append)
     assert isinstance(publisher, DynamicSlicePublisher)
     assert (publisher.node, publisher.driver, publisher.name, publisher.dynamic) == ("n", DRIVER, MAIN, dynamic)
     assert isinstance(publisher._api, SliceApi) and publisher._api.api is kube.api  # one client, one rate limit
