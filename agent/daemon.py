@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from agent.agent import Agent
 from agent.checks import StartupError, check_on_node, check_paths, check_sockets, machine_type
 from agent.config import AgentConfig
+from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
 from agent.locks import DirectoryLock, Held
@@ -174,7 +176,7 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
             idle = IdleAgent(footing, f"serving nothing: {err} (flags.failOnInitError is false)")
             log.error("%s", idle.reason)
             return idle
-        files = NodeFiles.read()
+        files = read_node_files()
         for line in check_on_node(options.config, state, options.kubelet_dir, files):
             log.warning("%s", line)
         bus = StateBus(state)
@@ -204,6 +206,13 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     dra.dynamicMig the publisher offers MIG placements and the kubelet plugin makes MIG devices for claims."""
     dra = options.config.dra
     if not dra.enabled:
+        return None
+    # Only a NodeApi can publish, and the agent has one only where its module is loaded: without one
+    # (--no-kube, `simulate`) the DRA modules, which load the HTTP client, are not imported at all.
+    node_module = sys.modules.get("agent.kube.node")
+    if node_module is None or not isinstance(options.kube, node_module.NodeApi):
+        logging.getLogger("agent.dra.publisher").warning(
+            "DRA mode: no API server client; no ResourceSlice is published")
         return None
     from agent.dra.claims import ClaimError, Paths
     from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file

@@ -1,14 +1,14 @@
 """Pure: what one container's Allocate response carries for the devices the kubelet chose, per the config's
-device-list strategies, passDeviceSpecs, MPS and the other flags of NVIDIA's config v1."""
+device-list strategies, passDeviceSpecs, MPS and the other flags of NVIDIA's config v1. The servicer answers
+through `ResponseBuilder.fill`, one builder per NodeState; `container_response` builds one answer with a builder
+of its own. What the node's files say (`NodeFiles`) is read once at start by nodefiles.py, not here."""
 
 from __future__ import annotations
 
 import operator
-import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from agent.config import AgentConfig
 from agent.deviceplugin.v1beta1 import api_pb2
@@ -21,7 +21,6 @@ DEVICE_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 """volume-mounts: each device is a /dev/null mount under this directory, which NVIDIA_VISIBLE_DEVICES names."""
 OPTIONAL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
-MIG_MINORS = Path("/proc/driver/nvidia-caps/mig-minors")
 CDI_PLUGIN_NAME = "gpu-node-agent"
 _VISIBLE = operator.attrgetter("visible")
 
@@ -32,24 +31,14 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class NodeFiles:
-    """What the response needs from the node's files, read once at start: the optional control device nodes
-    that exist, the MIG capability minors (/proc/driver/nvidia-caps/mig-minors) and the IMEX channel."""
+    """What the response needs from the node's files, read once at start (nodefiles.read_node_files): the
+    optional control device nodes that exist, the MIG capability minors (/proc/driver/nvidia-caps/mig-minors)
+    and the IMEX channel."""
 
     control_nodes: tuple[str, ...] = ()
     mig_minors: Mapping[str, int] = field(default_factory=dict)
     imex_channel: bool = False
 
-    @classmethod
-    def read(cls, exists: Callable[[str], bool] = os.path.exists, mig_minors: Path = MIG_MINORS) -> NodeFiles:
-        minors: dict[str, int] = {}
-        try:
-            for line in mig_minors.read_text().splitlines():
-                name, _, minor = line.partition(" ")
-                if minor.strip().isdigit():
-                    minors[name] = int(minor)
-        except OSError:
-            pass
-        return cls(tuple(p for p in OPTIONAL_NODES if exists(p)), minors, exists(IMEX_CHANNEL))
 
 
 def _device_nodes(chosen: list[Device], inventory: NodeInventory, files: NodeFiles,

@@ -59,6 +59,7 @@ PURE = (
     "agent/nvml/records.py",
     "agent/nvml/catalog.py",
     "agent/mps_client.py",
+    "agent/deviceplugin/response.py",
 )
 """Modules whose functions depend only on their arguments (globs, each matching at least one file)."""
 
@@ -314,6 +315,7 @@ FIXTURE = {
     "agent/health/__init__.py": "",
     "agent/health/policy.py": "import logging\nfrom subprocess import run\n",
     "agent/mps_client.py": "from pathlib import PurePath\n",
+    "agent/deviceplugin/response.py": "import operator\n",
 }
 
 
@@ -432,6 +434,101 @@ def test_simulate_and_the_agent_without_an_api_server_load_no_http_client() -> N
               f"             or m in {http!r}))")
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["agent.simulate", "agent.daemon", "agent.agent", "agent.cli"])
+def test_importing_a_module_of_the_agent_without_an_api_server_loads_no_aiohttp(module: str) -> None:
+    """docs/architecture.md: --no-kube and `simulate` never load an HTTP client; each module on its own."""
+    run = subprocess.run([sys.executable, "-c", f"import {module}, sys; print('aiohttp' in sys.modules)"],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
+
+
+RUN_WITHOUT_API_SERVER = """
+import asyncio, sys, tempfile
+from pathlib import Path
+from agent.config import parse_config
+from agent.daemon import AgentOptions, start_agent
+from agent.nvml.backend import open_backend
+from agent.simulate import simulate
+
+async def main():
+    await simulate(open_backend("mock:dgx-h100"), parse_config("version: v1\\n"), node_name="sim-dgx-h100")
+    with tempfile.TemporaryDirectory(prefix="agent-") as tmp:  # --no-kube, in DRA mode
+        config = parse_config(f"version: v1\\ndra: {{enabled: true}}\\nmig: {{stateDir: {tmp}/mig}}\\n")
+        agent = await start_agent(open_backend("mock:dgx-h100"),
+                                  AgentOptions(config=config, kubelet_dir=Path(tmp), metrics_port=None))
+        await agent.stop()
+
+asyncio.run(main())
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("aiohttp", "kubernetes") or m in HTTP))
+"""
+
+
+def test_running_simulate_or_the_agent_without_an_api_server_loads_no_http_client() -> None:
+    """docs/architecture.md: a whole `simulate` run, and an agent started without an API server in DRA mode,
+    load no HTTP client, nor the DRA modules that need one."""
+    http = ("agent.kube.client", "agent.kube.node", "agent.dra.publisher", "agent.dra.plugin")
+    script = f"HTTP = {http!r}\n" + RUN_WITHOUT_API_SERVER
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+CONSUMERS = {
+    "device plugin": ("agent/deviceplugin/server.py", "agent/deviceplugin/servicer.py",
+                      "agent/deviceplugin/coreserver.py", "agent/deviceplugin/response.py"),
+    "node reconciler": ("agent/kube/reconciler.py",),
+    "slice publisher": ("agent/dra/publisher.py",),
+    "DRA kubelet plugin": ("agent/dra/plugin.py", "agent/dra/prepare.py", "agent/dra/health.py",
+                           "agent/dra/claims.py"),
+    "MIG controller": ("agent/mig/controller.py",),
+    "MPS daemons": ("agent/mps.py",),
+}
+"""The consumers of the state bus, each with its modules. The metrics registry (agent/metrics.py), which every
+part counts into, is not one of them here."""
+
+NVML_CALLS = ("agent.nvml.backend", "agent.nvml.mig_ops", "agent.nvml.fields", "agent.nvml.fake")
+"""The modules through which NVML is called."""
+
+
+def consumer_reaches(root: Path) -> list[str]:
+    """A consumer's module importing another consumer's, or the NVML modules (the MIG controller, also a
+    producer, excepted for NVML)."""
+    owner = {module_name(root, root / f): name for name, files in CONSUMERS.items() for f in files}
+    problems = []
+    for name, files in CONSUMERS.items():
+        for rel in files:
+            for imp in imports_of(root, root / rel):
+                for module in loaded_with(root, imp):
+                    if owner.get(module, name) != name:
+                        problems.append(f"{rel}:{imp.line} ({name}) imports {module} ({owner[module]})")
+                    if module in NVML_CALLS and name != "MIG controller":
+                        problems.append(f"{rel}:{imp.line} ({name}) imports {module} (NVML)")
+    return problems
+
+
+def test_no_consumer_imports_another_or_calls_nvml() -> None:
+    """docs/architecture.md: consumers reach each other only through callbacks the composition root hands them
+    (SlicePublisher.republish, DraKubeletPlugin.holders), and only DRA's dynamic MIG (agent/dra/dynamic.py,
+    handed to the kubelet plugin) calls NVML on a consumer's behalf."""
+    for files in CONSUMERS.values():
+        assert all((REPO / rel).is_file() for rel in files), files
+    assert consumer_reaches(REPO) == []
+    dynamic = {imp.module for imp in imports_of(REPO, REPO / "agent/dra/dynamic.py")}
+    assert "agent.nvml.mig_ops" in dynamic
+    root = (REPO / "agent/daemon.py").read_text()
+    assert "slices.republish" in root and "dra.plugin.holders" in (REPO / "agent/agent.py").read_text()
+
+
+def test_production_answers_allocate_through_the_response_builder() -> None:
+    """docs/architecture.md: the servicer answers through ResponseBuilder.fill; container_response is a
+    builder of its own for one answer."""
+    servicer = ast.parse((REPO / "agent/deviceplugin/servicer.py").read_text())
+    called = {node.func.attr for node in ast.walk(servicer)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    names = {node.id for node in ast.walk(servicer) if isinstance(node, ast.Name)}
+    assert "fill" in called and "ResponseBuilder" in names and "container_response" not in names
 
 
 def test_the_catalogs_nvml_numbers_are_pynvmls() -> None:

@@ -141,6 +141,21 @@ def test_the_design_names_every_part_of_the_package() -> None:
     assert [p for p in parts if f"`{p}`" not in design] == []
 
 
+def test_the_design_names_every_module_of_each_part() -> None:
+    """Each module of a subpackage is named in that subpackage's row of the module table, so that the table says
+    where a change goes (generated stubs excluded)."""
+    rows = dict(re.findall(r"^\| `(agent/[^`]+/)` \|(.*)$", (REPO / "docs" / "architecture.md").read_text(), re.M))
+    missing = []
+    for path in sorted((REPO / "agent").glob("*/**/*.py")):
+        part, rel = path.relative_to(REPO / "agent").parts[0], "/".join(path.relative_to(REPO / "agent").parts[1:])
+        if path.name == "__init__.py" or "_pb2" in path.name or not (REPO / "agent" / part / "__init__.py").is_file():
+            continue
+        if f"`{rel}`" not in rows.get(f"agent/{part}/", ""):
+            missing.append(f"agent/{part}/{rel}")
+    assert {"agent/nvml/", "agent/dra/", "agent/topology/"} <= set(rows)
+    assert missing == []
+
+
 def test_the_tests_guide_names_every_layer() -> None:
     layers = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.rglob("test_*.py")))
     assert {"unit", "integration", "kubelet", "faults", "fuzz", "e2e"} <= set(layers)
