@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
-MEMORY_SLICES = 8
-"""Memory slices of a full-size MIG GPU (A100, H100, H200)."""
 SPLIT_FROM = (1, 35)
 """The first Kubernetes version whose API server takes counters only in a slice without devices."""
 UNDECIDED, COUNTERS, STATIC = "undecided", "counters", "static"
@@ -84,8 +82,9 @@ def memory_slice_counter(n: int) -> str:
 
 
 def profile_token(profile: str) -> str:
-    """A profile name in a device name: "1g.10gb+me" -> "1g10gbme"."""
-    return re.sub(r"[^a-z0-9]", "", profile.lower())
+    """A profile name in a device name: "1g.10gb+me" -> "1g10gbme", "1g.24gb-me" -> "1g24gbnome" (apart from
+    the +me profile of the same size)."""
+    return re.sub(r"[^a-z0-9]", "", profile.lower().replace("-", "no"))
 
 
 def instances_counter(profile: MigProfile) -> str:
@@ -140,7 +139,8 @@ def placements(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints
 def counter_set(gpu: GpuInfo, profiles: tuple[MigProfile, ...]) -> dict[str, Any]:
     """A GPU's counters: one per memory slice (1 each), and for a profile with fewer instances than
     placements (1g.10gb+me: one of seven) how many instances of it the GPU takes."""
-    counters = {memory_slice_counter(n): {"value": "1"} for n in range(MEMORY_SLICES)}
+    slices = max((p.start + p.size for profile in profiles for p in profile.placements), default=0)
+    counters = {memory_slice_counter(n): {"value": "1"} for n in range(slices)}
     for profile in profiles:
         if profile.instance_count < len(profile.placements):
             counters[instances_counter(profile)] = {"value": str(profile.instance_count)}

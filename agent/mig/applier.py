@@ -66,7 +66,7 @@ def read_node(ops: MigOps, gpus: int) -> list[MigGpuState]:
 def planning_view(states: list[MigGpuState]) -> list[GpuMigState]:
     return [
         GpuMigState(s.index, s.name, s.pci_device_id, s.profiles, s.mig_enabled,
-                    tuple(MigInstance(i.profile, i.start, i.size) for i in s.instances))
+                    tuple(MigInstance(i.profile, i.start, i.size) for i in s.instances), s.mig_capable)
         for s in states
     ]
 

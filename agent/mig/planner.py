@@ -291,12 +291,16 @@ def plan_gpu(
     mig_enabled_now: bool,
     want_enabled: bool,
     index: int = 0,
+    mig_capable: bool = False,
+    pci_device_id: int | None = None,
 ) -> GpuPlan:
     """The smallest change that takes one GPU from ``current`` to ``desired``.
 
     ``current`` lists the GPU instances NVML reports; ``desired`` maps profile names to counts (None or {}:
     no instances). Existing instances that sit where a target instance can sit are kept; a GPU that already
-    has the target gets a no-op plan. Raises :class:`PlanError` naming ``index`` when the target cannot fit.
+    has the target gets a no-op plan. Raises :class:`PlanError` naming ``index`` when the target cannot fit, or
+    when ``table`` is empty: the GPU has no MIG, or (``mig_capable``: NVML reports a MIG mode) the agent does
+    not know the model's profile table.
     """
     have = tuple(sorted(set(current), key=lambda i: (i.start, i.profile)))
     if have and not mig_enabled_now:
@@ -308,7 +312,11 @@ def plan_gpu(
         mode = ModeChange.DISABLE if mig_enabled_now else ModeChange.NONE
         return GpuPlan(index, mode, destroy=have, create=(), keep=())
     if not table.profiles:
-        raise PlanError([(index, f"{table.model} does not support MIG")])
+        if not mig_capable:
+            raise PlanError([(index, f"{table.model} does not support MIG")])
+        device = f" (PCI device id 0x{pci_device_id:08X})" if pci_device_id is not None else ""
+        raise PlanError([(index, f"cannot plan MIG on {table.model}{device}: its MIG profile table is missing "
+                                 "from the agent's GPU catalog, and NVML lists placements only with MIG enabled")])
     try:
         target = place(table, requested, prefer=have)
     except Unplaceable as err:
@@ -336,12 +344,15 @@ class GpuMigState:
     """Empty when the GPU is not MIG capable."""
     mig_enabled: bool
     instances: tuple[MigInstance, ...] = ()
+    mig_capable: bool = False
+    """NVML reports a MIG mode for the GPU (its profiles may still be unknown)."""
 
     @classmethod
     def of(
         cls, index: int, model: GpuModel, mig_enabled: bool = False, instances: Iterable[MigInstance] = ()
     ) -> GpuMigState:
-        return cls(index, model.nvml_name, model.pci_device_id, model.mig_profiles, mig_enabled, tuple(instances))
+        return cls(index, model.nvml_name, model.pci_device_id, model.mig_profiles, mig_enabled, tuple(instances),
+                   model.mig_capable)
 
     @property
     def table(self) -> ProfileTable:
@@ -398,6 +409,7 @@ def plan_node(layout: MigLayout, gpus: Sequence[GpuMigState]) -> NodePlan:
             plans.append(plan_gpu(
                 gpu.table, gpu.instances, entry.requested,
                 mig_enabled_now=gpu.mig_enabled, want_enabled=entry.mig_enabled, index=gpu.index,
+                mig_capable=gpu.mig_capable, pci_device_id=gpu.pci_device_id,
             ))
         except PlanError as err:
             problems.extend(err.problems)

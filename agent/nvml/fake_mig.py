@@ -24,11 +24,12 @@ def _overlaps(a: Placement, b: Placement) -> bool:
     return a.start < b.start + b.size and b.start < a.start + a.size
 
 
-def _gi_id_for(placement: Placement) -> int:
-    """GPU-instance id by placement, as a freshly configured A100 numbers them (NVIDIA/DCGM#138):
-    whole GPU 0, halves 1-2, quarters 3-6, eighths 7-14."""
-    first = {8: 0, 4: 1, 2: 3, 1: 7}[placement.size]
-    return first + placement.start // placement.size
+def _gi_id_for(placement: Placement, whole: int) -> int:
+    """GPU-instance id by placement, as a freshly configured GPU numbers them: whole GPU 0, halves 1-2,
+    quarters 3-6, eighths 7-14 (an A100 in NVIDIA/DCGM#138; an RTX PRO 6000, whose ``whole`` is 12 placement
+    units, numbers its quarters 3-6 the same way)."""
+    parts = whole // placement.size
+    return parts - 1 + placement.start // placement.size
 
 
 class FakeMig(FakeHandles):
@@ -117,7 +118,7 @@ class FakeMig(FakeHandles):
         elif any(_overlaps(placement, o) for o in occupied):
             raise nvml_error(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         gi = GpuInstance(
-            id=_gi_id_for(placement),
+            id=_gi_id_for(placement, max(p.start + p.size for q in model.mig_profiles for p in q.placements)),
             profile_id=profile_id,
             start=placement.start,
             size=placement.size,

@@ -327,7 +327,8 @@ def no_such_layout(value: str) -> str:
     """The reason a layout name no layout has gets: the name quoted whole up to 60 characters, else its start and
     its length, so that a huge value makes a short reason."""
     name = repr(value) if len(value) <= 60 else f"{value[:60]!r}... ({len(value)} characters)"
-    return f"built-in default-layouts.yaml: no layout named {name} (known: {', '.join(LAYOUT_NAMES)})"
+    known = ", ".join(LAYOUT_NAMES[:40]) + (f" and {len(LAYOUT_NAMES) - 40} more" if len(LAYOUT_NAMES) > 40 else "")
+    return f"built-in default-layouts.yaml: no layout named {name} (known: {known})"
 
 
 def at_most_1024(message: str) -> str:

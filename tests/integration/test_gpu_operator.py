@@ -76,6 +76,27 @@ def test_the_operators_mig_layouts_load_and_plan_like_the_shipped_ones() -> None
         assert "1g.5gb" in str(refused.value)
 
 
+@pytest.mark.parametrize("preset", ["dgx-b200", "hgx-b300", "gb200-nvl72-tray", "gb300-nvl72-tray",
+                                    "pcie-rtx-pro-6000-8", "hgx-h20", "single-gh200", "pcie-h100-nvl-pair"])
+def test_every_layout_the_operator_and_the_agent_both_ship_plans_alike_on_the_newer_presets(preset: str) -> None:
+    configmap = yaml.safe_load((FIXTURES / "default-mig-parted-config.yaml").read_text())
+    operator = parse_layouts(configmap["data"]["config.yaml"], "default-mig-parted-config")
+    shipped = load_layouts()
+    view = fresh_view(started(preset).spec)
+
+    def outcome(layouts: Any, name: str) -> str:
+        try:
+            return plan_node(layouts.layout(name), view).describe()
+        except PlanError as err:
+            return f"refused: {err}"
+
+    common = sorted(set(operator.names()) & set(shipped.names()))
+    assert len(common) == len(shipped.names())  # every shipped layout is also one of the Operator's
+    planned = [name for name in common if not outcome(shipped, name).startswith(("refused", "layout"))]
+    assert planned, preset
+    assert {name: outcome(shipped, name) for name in common} == {name: outcome(operator, name) for name in common}
+
+
 def test_the_operators_time_slicing_configmap_is_a_directory_of_named_configs(tmp_path: Path) -> None:
     configmap = yaml.safe_load((FIXTURES / "time-slicing-config-all.yaml").read_text())
     directory = tmp_path / "configs"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pynvml
 import pytest
 
@@ -19,7 +21,8 @@ def _rows(key: str) -> dict[str, tuple[int, int, int, int, int]]:
 
 def test_models_known_by_node_file_key() -> None:
     assert catalog.known_models() == [
-        "A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "L40S", "T4",
+        "A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "H100-NVL", "H20", "GH200-480GB",
+        "B200", "GB200", "B300-SXM6", "GB300", "RTX-PRO-6000-BSE", "L40S", "T4",
     ]
 
 
@@ -28,7 +31,8 @@ def test_unknown_model_is_a_key_error_listing_known_keys() -> None:
         lookup("H300")
     assert str(caught.value) == (
         "unknown GPU model 'H300' "
-        "(known: A100-SXM4-40GB, A100-SXM4-80GB, H100-SXM5-80GB, H200-141GB, L40S, T4)"
+        "(known: A100-SXM4-40GB, A100-SXM4-80GB, H100-SXM5-80GB, H200-141GB, H100-NVL, H20, GH200-480GB, B200, "
+        "GB200, B300-SXM6, GB300, RTX-PRO-6000-BSE, L40S, T4)"
     )
 
 
@@ -46,6 +50,23 @@ def test_unknown_model_is_a_key_error_listing_known_keys() -> None:
         ("L40S", "NVIDIA L40S", 46068, pynvml.NVML_DEVICE_ARCH_ADA, "ada", (8, 9),
          "ada-lovelace", 0, 0x26B910DE),
         ("T4", "Tesla T4", 15360, pynvml.NVML_DEVICE_ARCH_TURING, "turing", (7, 5), "turing", 0, 0x1EB810DE),
+        # Names and device ids: the NVIDIA driver's list of supported GPUs; totals: nvidia-smi on each part;
+        # compute capability: the MIG user guide's "Supported GPUs" (10.0, 12.0, 9.0) and nvidia-smi (10.3).
+        ("H100-NVL", "NVIDIA H100 NVL", 95830, pynvml.NVML_DEVICE_ARCH_HOPPER, "hopper", (9, 0), "hopper", 12,
+         0x232110DE),
+        ("H20", "NVIDIA H20", 97871, pynvml.NVML_DEVICE_ARCH_HOPPER, "hopper", (9, 0), "hopper", 18, 0x232910DE),
+        ("GH200-480GB", "NVIDIA GH200 480GB", 97871, pynvml.NVML_DEVICE_ARCH_HOPPER, "hopper", (9, 0), "hopper",
+         18, 0x234210DE),
+        ("B200", "NVIDIA B200", 183359, pynvml.NVML_DEVICE_ARCH_BLACKWELL, "blackwell", (10, 0), "blackwell", 18,
+         0x290110DE),
+        ("GB200", "NVIDIA GB200", 189471, pynvml.NVML_DEVICE_ARCH_BLACKWELL, "blackwell", (10, 0), "blackwell",
+         18, 0x294110DE),
+        ("B300-SXM6", "NVIDIA B300 SXM6 AC", 275040, pynvml.NVML_DEVICE_ARCH_BLACKWELL, "blackwell", (10, 3),
+         "blackwell", 18, 0x318210DE),
+        ("GB300", "NVIDIA GB300", 284208, pynvml.NVML_DEVICE_ARCH_BLACKWELL, "blackwell", (10, 3), "blackwell",
+         18, 0x31C210DE),
+        ("RTX-PRO-6000-BSE", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 97887,
+         pynvml.NVML_DEVICE_ARCH_BLACKWELL, "blackwell", (12, 0), "blackwell", 0, 0x2BB510DE),
     ],
 )
 def test_model_identity(
@@ -60,9 +81,11 @@ def test_model_identity(
     )
 
 
-def test_only_a100_h100_h200_are_mig_capable() -> None:
+def test_mig_capable_models() -> None:
+    # The MIG user guide's "Supported GPUs": every model of the catalog but the L40S and the T4.
     assert [m.key for m in catalog.MODELS.values() if m.mig_capable] == [
-        "A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB",
+        "A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "H100-NVL", "H20", "GH200-480GB",
+        "B200", "GB200", "B300-SXM6", "GB300", "RTX-PRO-6000-BSE",
     ]
     assert lookup("L40S").mig_profiles == ()
     assert lookup("T4").mig_profiles == ()
@@ -137,7 +160,8 @@ def test_ids_and_placements_shared_by_all_full_size_mig_gpus() -> None:
     shapes = {
         key: [(p.index, p.id, p.slice_count, p.placements, p.ci_profile_index, p.ci_profile_id)
               for p in lookup(key).mig_profiles]
-        for key in ("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB")
+        for key in ("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "H100-NVL", "H20",
+                    "GH200-480GB", "B200", "GB200", "B300-SXM6", "GB300")
     }
     first = shapes.pop("A100-SXM4-40GB")
     assert all(s == first for s in shapes.values())
@@ -147,15 +171,94 @@ def test_ids_and_placements_shared_by_all_full_size_mig_gpus() -> None:
     }
 
 
-@pytest.mark.parametrize("key", ["A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB"])
+@pytest.mark.parametrize("key", [m.key for m in catalog.MODELS.values() if m.mig_capable])
 def test_every_profile_name_follows_from_its_memory(key: str) -> None:
     model = lookup(key)
     for profile in model.mig_profiles:
-        size = profile.name.split(".")[1].split("+")[0]
-        assert size == f"{profile_memory_gb(profile.memory_size_mib, model.memory_mib * MIB)}gb", profile.name
+        size = re.fullmatch(r"\d+g\.(\d+gb)([+-][a-z.]+)?", profile.name)
+        assert size is not None, profile.name
+        assert size[1] == f"{profile_memory_gb(profile.memory_size_mib, model.memory_mib * MIB)}gb", profile.name
 
 
 def test_name_rounding_is_half_away_from_zero() -> None:
     total = lookup("H200-141GB").memory_mib * MIB
     assert profile_memory_gb(16 * 1024, total) == 18  # 1/8 of 141 = 17.625
     assert profile_memory_gb(int(69.5 * 1024), total) == 71  # 70.5: banker's rounding would give 70
+
+
+# The GPU Operator's default mig-parted config names these profiles for each model; the MIG user guide gives the
+# counts (B200's table for the Blackwell data-center parts, the 94 GB and 96 GB tables for H100 NVL, GH200, H20).
+FULL_SIZE_NAMES = {
+    "H100-NVL": ["1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
+    "H20": ["1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+    "GH200-480GB": ["1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"],
+    "B200": ["1g.23gb", "1g.23gb+me", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"],
+    "GB200": ["1g.23gb", "1g.23gb+me", "1g.47gb", "2g.47gb", "3g.93gb", "4g.93gb", "7g.186gb"],
+    "B300-SXM6": ["1g.34gb", "1g.34gb+me", "1g.67gb", "2g.67gb", "3g.135gb", "4g.135gb", "7g.269gb"],
+    "GB300": ["1g.35gb", "1g.35gb+me", "1g.70gb", "2g.70gb", "3g.139gb", "4g.139gb", "7g.278gb"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(FULL_SIZE_NAMES))
+def test_full_size_tables_name_the_published_profiles_with_the_published_counts(key: str) -> None:
+    assert [(p.name, p.instance_count, p.slice_count) for p in lookup(key).mig_profiles] == list(zip(
+        FULL_SIZE_NAMES[key], [7, 1, 4, 3, 2, 1, 1], [1, 1, 1, 2, 3, 4, 7], strict=True))
+
+
+def test_b200_rows_captured_from_nvidia_smi() -> None:
+    # `nvidia-smi mig -lgip` on a B200 (NVIDIA/mig-parted#187): id, instances, GiB, SMs; CE/DEC/JPEG/OFA.
+    rows = _rows("B200")
+    assert rows["1g.23gb"] == (19, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE, 7, int(20.50 * 1024), 18)
+    assert rows["1g.23gb+me"] == (20, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, 1, int(20.50 * 1024), 18)
+    assert rows["1g.45gb"] == (15, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2, 4, int(44.25 * 1024), 30)
+    assert rows["2g.45gb"] == (14, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE, 3, int(44.25 * 1024), 36)
+    engines = {p.name: (p.copy_engines, p.decoders, p.jpegs, p.ofas) for p in lookup("B200").mig_profiles}
+    assert engines["1g.23gb"] == (2, 1, 1, 0)
+    assert engines["1g.23gb+me"] == (2, 1, 1, 1)
+    assert engines["2g.45gb"] == (4, 2, 2, 0)
+    # The MIG user guide's B200 table: copy engines of 3g, 4g and 7g; one OFA on 7g.
+    assert [engines[n][0] for n in ("3g.90gb", "4g.90gb", "7g.180gb")] == [6, 8, 16]
+    assert engines["7g.180gb"][3] == 1
+
+
+def test_gb200_rows_captured_from_nvidia_smi() -> None:
+    # `nvidia-smi mig -lgip` on a GB200 (NVIDIA/mig-parted#227).
+    rows = _rows("GB200")
+    assert rows["1g.23gb"] == (19, 0, 7, int(22.00 * 1024), 18)
+    assert rows["1g.47gb"] == (15, 9, 4, int(45.50 * 1024), 32)
+    assert rows["2g.47gb"] == (14, 1, 3, int(45.50 * 1024), 38)
+
+
+def test_rtx_pro_6000_table() -> None:
+    # `nvidia-smi mig -lgip` on an RTX PRO 6000 Blackwell Server Edition (GoogleCloudPlatform/
+    # container-engine-accelerators#564): id, instances, memory (23.62, 47.38, 95.12 GiB), SMs.
+    quarter, half, whole = int(23.625 * 1024), int(47.375 * 1024), int(95.125 * 1024)
+    assert _rows("RTX-PRO-6000-BSE") == {
+        "1g.24gb": (14, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE, 4, quarter, 46),
+        "1g.24gb+me": (21, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1, 1, quarter, 46),
+        "1g.24gb+gfx": (47, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX, 4, quarter, 46),
+        "1g.24gb+me.all": (65, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME, 1, quarter, 46),
+        "1g.24gb-me": (67, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME, 4, quarter, 46),
+        "2g.48gb": (5, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE, 2, half, 94),
+        "2g.48gb+gfx": (35, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX, 2, half, 94),
+        "2g.48gb+me.all": (64, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME, 1, half, 94),
+        "2g.48gb-me": (66, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME, 2, half, 94),
+        "4g.96gb": (0, pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE, 1, whole, 188),
+        "4g.96gb+gfx": (32, pynvml.NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX, 1, whole, 188),
+    }
+    engines = {p.name: (p.copy_engines, p.decoders, p.encoders, p.jpegs, p.ofas)
+               for p in lookup("RTX-PRO-6000-BSE").mig_profiles}
+    assert engines == {
+        "1g.24gb": (1, 1, 1, 1, 0), "1g.24gb+me": (1, 1, 1, 1, 1), "1g.24gb+gfx": (1, 1, 1, 1, 0),
+        "1g.24gb+me.all": (1, 4, 4, 4, 1), "1g.24gb-me": (1, 0, 0, 0, 0),
+        "2g.48gb": (2, 2, 2, 2, 0), "2g.48gb+gfx": (2, 2, 2, 2, 0), "2g.48gb+me.all": (2, 4, 4, 4, 1),
+        "2g.48gb-me": (2, 0, 0, 0, 0), "4g.96gb": (4, 4, 4, 4, 1), "4g.96gb+gfx": (4, 4, 4, 4, 1),
+    }
+
+
+def test_rtx_pro_6000_placements_on_twelve_units() -> None:
+    # `nvidia-smi mig -lgipp`: {0,3,6,9}:3 for every 1g profile, {0,6}:6 for 2g, {0}:12 for 4g.
+    placements = {p.name: p.placements for p in lookup("RTX-PRO-6000-BSE").mig_profiles}
+    for name, found in placements.items():
+        expected = {"1g": ((0, 3), (3, 3), (6, 3), (9, 3)), "2g": ((0, 6), (6, 6)), "4g": ((0, 12),)}[name[:2]]
+        assert found == expected, name

@@ -378,3 +378,27 @@ async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path
     with pytest.raises(DynamicMigError, match=r"^the dynamic MIG checkpoint .*/bad/dynamic-mig.json is not a "
                        r"version 1 checkpoint$"):
         DynamicMig(backend, nvml_thread, state_file(tmp_path / "bad" / "checkpoint.json"))
+
+
+def test_rtx_pro_6000_counts_its_twelve_placement_units_and_keeps_every_profile_apart() -> None:
+    # The RTX PRO 6000 Blackwell places MIG instances on 12 units (`nvidia-smi mig -lgipp`: {0,3,6,9}:3 for the
+    # five 1g profiles, {0,6}:6 for the four 2g ones, {0}:12 for 4g.96gb and 4g.96gb+gfx).
+    state, _, _ = mig_node("pcie-rtx-pro-6000-8")
+    ((_, _), (_, gpu0)) = dynamic_slices(state, "n", DRIVER, 1, split=False)
+    ((counter_set),) = gpu0["sharedCounters"]
+    assert {k: v["value"] for k, v in counter_set["counters"].items()} == {
+        **{f"memory-slice-{n}": "1" for n in range(12)},
+        # One instance per GPU of +me and of each +me.all, whatever their placements.
+        "instances-1g24gbme": "1", "instances-1g24gbmeall": "1", "instances-2g48gbmeall": "1",
+    }
+    tokens = {"1g24gb": (0, 3, 6, 9), "1g24gbme": (0, 3, 6, 9), "1g24gbgfx": (0, 3, 6, 9),
+              "1g24gbmeall": (0, 3, 6, 9), "1g24gbnome": (0, 3, 6, 9), "2g48gb": (0, 6), "2g48gbgfx": (0, 6),
+              "2g48gbmeall": (0, 6), "2g48gbnome": (0, 6), "4g96gb": (0,), "4g96gbgfx": (0,)}
+    assert sorted(devices_of(gpu0)) == sorted(f"gpu-0-mig-{t}-{s}" for t, starts in tokens.items() for s in starts)
+    without_media = devices_of(gpu0)["gpu-0-mig-1g24gbnome-9"]
+    assert without_media["attributes"]["profile"] == {"string": "1g.24gb-me"}
+    assert consumed(without_media) == {f"memory-slice-{n}": "1" for n in (9, 10, 11)}
+    assert without_media["capacity"]["decoders"] == {"value": "0"}
+    half = devices_of(gpu0)["gpu-0-mig-2g48gbmeall-6"]
+    assert consumed(half) == {**{f"memory-slice-{n}": "1" for n in range(6, 12)}, "instances-2g48gbmeall": "1"}
+    assert half["capacity"]["memory"] == {"value": "48512Mi"} and half["capacity"]["decoders"] == {"value": "4"}

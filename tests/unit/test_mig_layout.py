@@ -9,15 +9,17 @@ import pytest
 
 from agent.mig.layout import (
     DeviceFilter,
+    LayoutEntry,
     LayoutError,
+    MigLayout,
     ProfileName,
     load_layouts,
     normalize_model_name,
     parse_layouts,
     parse_profile_name,
 )
-from agent.mig.planner import GpuMigState, PlanError, plan_node
-from agent.nvml.catalog import MODELS, lookup
+from agent.mig.planner import GpuMigState, PlanError, ProfileTable, plan_node
+from agent.nvml.catalog import MODELS, GpuModel, lookup
 
 SHIPPED = [
     "all-disabled", "all-enabled",
@@ -25,6 +27,15 @@ SHIPPED = [
     "all-1g.10gb",
     "all-1g.10gb.me", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb", "all-4g.40gb", "all-7g.80gb",
     "all-1g.18gb", "all-1g.18gb.me", "all-1g.35gb", "all-2g.35gb", "all-3g.71gb", "all-4g.71gb", "all-7g.141gb",
+    "all-1g.12gb", "all-1g.12gb.me", "all-1g.24gb", "all-2g.24gb", "all-3g.47gb", "all-4g.47gb", "all-7g.94gb",
+    "all-3g.48gb", "all-4g.48gb", "all-7g.96gb",
+    "all-1g.23gb", "all-1g.23gb.me",
+    "all-1g.45gb", "all-2g.45gb", "all-3g.90gb", "all-4g.90gb", "all-7g.180gb",
+    "all-1g.47gb", "all-2g.47gb", "all-3g.93gb", "all-4g.93gb", "all-7g.186gb",
+    "all-1g.34gb", "all-1g.34gb.me", "all-1g.67gb", "all-2g.67gb", "all-3g.135gb", "all-4g.135gb", "all-7g.269gb",
+    "all-1g.35gb.me", "all-1g.70gb", "all-2g.70gb", "all-3g.139gb", "all-4g.139gb", "all-7g.278gb",
+    "all-1g.24gb.me", "all-1g.24gb.gfx", "all-1g.24gb.me.all", "all-1g.24gb-me", "all-2g.48gb", "all-2g.48gb.gfx",
+    "all-2g.48gb.me.all", "all-2g.48gb-me", "all-4g.96gb", "all-4g.96gb.gfx",
     "all-balanced",
 ]
 
@@ -32,6 +43,8 @@ FILTER_40GB = ["0x20B010DE", "0x20B110DE", "0x20F110DE", "0x20F610DE"]
 FILTER_80GB = ["0x20B210DE", "0x20B510DE", "0x20F310DE", "0x20F510DE",
                "0x232210DE", "0x232410DE", "0x233010DE", "0x233110DE"]
 FILTER_H200 = ["0x233510DE", "0x233B10DE"]
+FILTER_H100_NVL = ["0x232110DE", "0x233A10DE"]
+FILTER_96GB = ["0x20B610DE", "0x232910DE", "0x233D10DE", "0x234210DE"]
 
 H100 = lookup("H100-SXM5-80GB")
 A100_40 = lookup("A100-SXM4-40GB")
@@ -63,6 +76,22 @@ def test_shipped_all_balanced_has_one_entry_per_model_group() -> None:
         (None, FILTER_H200, True, {"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}),
         (None, FILTER_80GB, True, {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}),
         (None, FILTER_40GB, True, {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}),
+        (None, ["0x290110DE"], True, {"1g.23gb": 2, "2g.45gb": 1, "3g.90gb": 1}),
+        (None, ["0x294110DE"], True, {"1g.23gb": 2, "2g.47gb": 1, "3g.93gb": 1}),
+        (None, ["0x318210DE"], True, {"1g.34gb": 2, "2g.67gb": 1, "3g.135gb": 1}),
+        (None, ["0x31C210DE"], True, {"1g.35gb": 2, "2g.70gb": 1, "3g.139gb": 1}),
+        (None, ["0x2BB510DE"], True, {"1g.24gb": 2, "2g.48gb": 1}),
+        (None, FILTER_H100_NVL, True, {"1g.12gb": 2, "2g.24gb": 1, "3g.47gb": 1}),
+        (None, FILTER_96GB, True, {"1g.12gb": 2, "2g.24gb": 1, "3g.48gb": 1}),
+    ]
+
+
+def test_shipped_all_1g_35gb_counts_per_model() -> None:
+    # 1g.35gb is H200's two-slice 1g (4 fit) and GB300's one-slice 1g (7 fit).
+    entries = load_layouts().layout("all-1g.35gb").entries
+    assert [(_ids(e.device_filter), e.requested) for e in entries] == [
+        (FILTER_H200, {"1g.35gb": 4}),
+        (["0x31C210DE"], {"1g.35gb": 7}),
     ]
 
 
@@ -86,19 +115,45 @@ def test_shipped_all_enabled_and_all_disabled() -> None:
 
 # Outcome of each shipped layout on one fresh GPU (MIG disabled) of each catalog model:
 # "plan" = changes planned, "noop" = nothing to do, "alone" = no entry selects it, "fail" = PlanError.
-MODEL_ORDER = ["A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "L40S", "T4"]
+MODEL_ORDER = ["A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", "H200-141GB", "H100-NVL", "H20", "GH200-480GB",
+               "B200", "GB200", "B300-SXM6", "GB300", "RTX-PRO-6000-BSE", "L40S", "T4"]
+MIG_MODELS = MODEL_ORDER[:-2]
+
+
+def only(*keys: str, elsewhere: str = "fail") -> tuple[str, ...]:
+    return tuple("plan" if key in keys else elsewhere for key in MODEL_ORDER)
+
+
 OUTCOMES: dict[str, tuple[str, ...]] = {
-    "all-disabled": ("noop",) * 6,
-    "all-enabled": ("plan", "plan", "plan", "plan", "fail", "fail"),
-    "all-1g.10gb": ("plan", "plan", "plan", "alone", "alone", "alone"),
-    "all-balanced": ("plan", "plan", "plan", "plan", "alone", "alone"),
-    **{name: ("plan", "fail", "fail", "fail", "fail", "fail")
+    "all-disabled": ("noop",) * 14,
+    "all-enabled": only(*MIG_MODELS),
+    "all-1g.10gb": only("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-SXM5-80GB", elsewhere="alone"),
+    "all-1g.35gb": only("H200-141GB", "GB300", elsewhere="alone"),
+    "all-balanced": only(*MIG_MODELS, elsewhere="alone"),
+    **{name: only("A100-SXM4-40GB")
        for name in ("all-1g.5gb", "all-1g.5gb.me", "all-2g.10gb", "all-3g.20gb", "all-4g.20gb", "all-7g.40gb")},
-    **{name: ("fail", "plan", "plan", "fail", "fail", "fail")
+    **{name: only("A100-SXM4-80GB", "H100-SXM5-80GB")
        for name in ("all-1g.10gb.me", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb", "all-4g.40gb", "all-7g.80gb")},
-    **{name: ("fail", "fail", "fail", "plan", "fail", "fail")
-       for name in ("all-1g.18gb", "all-1g.18gb.me", "all-1g.35gb", "all-2g.35gb", "all-3g.71gb", "all-4g.71gb",
-                    "all-7g.141gb")},
+    **{name: only("H200-141GB")
+       for name in ("all-1g.18gb", "all-1g.18gb.me", "all-2g.35gb", "all-3g.71gb", "all-4g.71gb", "all-7g.141gb")},
+    **{name: only("H100-NVL", "H20", "GH200-480GB") for name in ("all-1g.12gb", "all-1g.12gb.me", "all-2g.24gb")},
+    "all-1g.24gb": only("H100-NVL", "H20", "GH200-480GB", "RTX-PRO-6000-BSE"),
+    **{name: only("H100-NVL") for name in ("all-3g.47gb", "all-4g.47gb", "all-7g.94gb")},
+    **{name: only("H20", "GH200-480GB") for name in ("all-3g.48gb", "all-4g.48gb", "all-7g.96gb")},
+    **{name: only("B200", "GB200") for name in ("all-1g.23gb", "all-1g.23gb.me")},
+    **{name: only("B200")
+       for name in ("all-1g.45gb", "all-2g.45gb", "all-3g.90gb", "all-4g.90gb", "all-7g.180gb")},
+    **{name: only("GB200")
+       for name in ("all-1g.47gb", "all-2g.47gb", "all-3g.93gb", "all-4g.93gb", "all-7g.186gb")},
+    **{name: only("B300-SXM6")
+       for name in ("all-1g.34gb", "all-1g.34gb.me", "all-1g.67gb", "all-2g.67gb", "all-3g.135gb", "all-4g.135gb",
+                    "all-7g.269gb")},
+    **{name: only("GB300")
+       for name in ("all-1g.35gb.me", "all-1g.70gb", "all-2g.70gb", "all-3g.139gb", "all-4g.139gb",
+                    "all-7g.278gb")},
+    **{name: only("RTX-PRO-6000-BSE")
+       for name in ("all-1g.24gb.me", "all-1g.24gb.gfx", "all-1g.24gb.me.all", "all-1g.24gb-me", "all-2g.48gb",
+                    "all-2g.48gb.gfx", "all-2g.48gb.me.all", "all-2g.48gb-me", "all-4g.96gb", "all-4g.96gb.gfx")},
 }
 
 
@@ -140,6 +195,16 @@ def test_every_shipped_layout_plans_on_its_target_models(layout_name: str) -> No
         ("all-3g.71gb", "H200-141GB", [("3g.71gb", 0), ("3g.71gb", 4)]),
         ("all-7g.141gb", "H200-141GB", [("7g.141gb", 0)]),
         ("all-1g.18gb.me", "H200-141GB", [("1g.18gb+me", 0)]),
+        ("all-1g.23gb", "B200", [("1g.23gb", s) for s in range(7)]),
+        ("all-1g.47gb", "GB200", [("1g.47gb", s) for s in (0, 2, 4, 6)]),
+        ("all-3g.135gb", "B300-SXM6", [("3g.135gb", 0), ("3g.135gb", 4)]),
+        ("all-1g.35gb", "GB300", [("1g.35gb", s) for s in range(7)]),
+        ("all-1g.24gb", "H100-NVL", [("1g.24gb", s) for s in (0, 2, 4, 6)]),
+        # RTX PRO 6000: quarters of the 12-unit grid start at 0, 3, 6 and 9, halves at 0 and 6.
+        ("all-1g.24gb", "RTX-PRO-6000-BSE", [("1g.24gb", s) for s in (0, 3, 6, 9)]),
+        ("all-1g.24gb-me", "RTX-PRO-6000-BSE", [("1g.24gb-me", s) for s in (0, 3, 6, 9)]),
+        ("all-2g.48gb.gfx", "RTX-PRO-6000-BSE", [("2g.48gb+gfx", 0), ("2g.48gb+gfx", 6)]),
+        ("all-4g.96gb", "RTX-PRO-6000-BSE", [("4g.96gb", 0)]),
     ],
 )
 def test_shipped_single_profile_layouts_fill_the_gpu(
@@ -147,6 +212,56 @@ def test_shipped_single_profile_layouts_fill_the_gpu(
 ) -> None:
     plan = plan_node(load_layouts().layout(layout_name), [GpuMigState.of(0, lookup(model_key))])
     assert [(i.profile, i.start) for i in plan.gpus[0].create] == instances
+
+
+def catalog_gaps(layouts: list[MigLayout]) -> list[str]:
+    """What the catalog lacks for the layouts: an entry with a device filter must find every profile it names, in
+    the counts it asks, on every catalog model the filter selects (and select one); an entry without one must fit
+    whole on at least one catalog model."""
+    mig_models = [m for m in MODELS.values() if m.mig_capable]
+    gaps: list[str] = []
+    for layout in layouts:
+        for k, entry in enumerate(layout.entries):
+            if not entry.requested:
+                continue
+            where = f"{layout.name} entry {k}"
+
+            def lacks(model: GpuModel, entry: LayoutEntry = entry) -> list[str]:
+                table = ProfileTable.of(model)
+                found = {name: table.profile(name) for name in entry.requested}
+                return [f"{name} x {count}" for name, count in entry.requested.items()
+                        if (p := found[name]) is None or p.instance_count < count]
+
+            if entry.device_filter is None:
+                if all(lacks(m) for m in mig_models):
+                    gaps.append(f"{where}: no catalog model has {', '.join(entry.requested)}")
+                continue
+            selected = [m for m in mig_models if entry.device_filter.matches(m.pci_device_id, m.nvml_name)]
+            if not selected:
+                gaps.append(f"{where}: its device filter selects no catalog model")
+            gaps += [f"{where}: {m.key} lacks {', '.join(missing)}" for m in selected if (missing := lacks(m))]
+    return gaps
+
+
+def test_every_shipped_layout_names_only_profiles_the_catalog_has_for_its_models() -> None:
+    layouts = load_layouts()
+    assert catalog_gaps([layouts.layout(name) for name in layouts.names()]) == []
+
+
+def test_a_layout_naming_a_profile_the_catalog_lacks_is_found() -> None:
+    layouts = parse_layouts(
+        "version: v1\nmig-configs:\n"
+        "  typo:\n    - {devices: all, mig-enabled: true, mig-devices: {1g.23gb+mee: 1}}\n"
+        "  b200-too-many:\n"
+        "    - {device-filter: \"0x290110DE\", devices: all, mig-enabled: true, mig-devices: {3g.90gb: 3}}\n"
+        "  unknown-id:\n"
+        "    - {device-filter: \"0x999910DE\", devices: all, mig-enabled: true, mig-devices: {3g.90gb: 1}}\n",
+        "layouts.yaml")
+    assert catalog_gaps([layouts.layout(name) for name in layouts.names()]) == [
+        "typo entry 0: no catalog model has 1g.23gb+mee",
+        "b200-too-many entry 0: B200 lacks 3g.90gb x 3",
+        "unknown-id entry 0: its device filter selects no catalog model",
+    ]
 
 
 def test_a_layout_for_another_model_fails_naming_the_profile() -> None:
@@ -206,7 +321,7 @@ def test_a_name_is_needed_when_the_file_has_several_layouts() -> None:
     with pytest.raises(LayoutError) as caught:
         load_layouts().layout()
     assert str(caught.value).startswith(
-        "built-in default-layouts.yaml: name a layout: the file has 23 (all-disabled, all-enabled, all-1g.5gb, "
+        "built-in default-layouts.yaml: name a layout: the file has 68 (all-disabled, all-enabled, all-1g.5gb, "
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.mig.applier import planning_view
 from agent.mig.layout import load_layouts
 from agent.mig.planner import (
     GpuMigState,
@@ -26,7 +27,7 @@ from agent.mig.planner import (
     plan_gpu,
     plan_node,
 )
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import MigGpuState, NvmlBackend
 from agent.nvml.catalog import Placement, lookup
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
@@ -486,3 +487,29 @@ def test_of_the_placements_keeping_as_many_instances_the_lowest_is_taken() -> No
     have = [_i("1g.10gb", 3, 1), _i("1g.10gb", 5, 1)]
     assert place(H100_TABLE, {"4g.40gb": 1, "1g.10gb": 2}, prefer=have) == (
         _i("4g.40gb", 0, 4), _i("1g.10gb", 4, 1), _i("1g.10gb", 5, 1))
+
+
+def test_a_mig_gpu_whose_model_the_catalog_lacks_is_refused_in_one_line_naming_it() -> None:
+    # NVML reports a MIG mode (disabled), so the GPU is MIG capable, but with MIG off the agent plans from its
+    # catalog, which has no table for this product.
+    unknown = GpuMigState(2, "NVIDIA Z900", 0x3FFF10DE, (), mig_enabled=False, mig_capable=True)
+    reason = ("cannot plan MIG on Z900 (PCI device id 0x3FFF10DE): its MIG profile table is missing from the "
+              "agent's GPU catalog, and NVML lists placements only with MIG enabled")
+    for name in ("all-enabled", "all-1g.10gb.me"):
+        with pytest.raises(PlanError) as caught:
+            plan_node(load_layouts().layout(name), [GpuMigState.of(0, H100), unknown])
+        assert str(caught.value).splitlines()[-1] == f"GPU 2: {reason}", name
+    # Nothing is asked of it by all-disabled (MIG is off already): no plan, no error.
+    assert plan_node(load_layouts().layout("all-disabled"), [unknown]).noop
+
+
+def test_planning_view_keeps_whether_nvml_reports_a_mig_mode() -> None:
+    states = [MigGpuState(0, "NVIDIA Z900", 0x3FFF10DE, True, False, False, (), ()),
+              MigGpuState(1, "NVIDIA L40S", 0x26B910DE, False, False, False, (), ())]
+    with pytest.raises(PlanError) as caught:
+        plan_node(load_layouts().layout("all-enabled"), planning_view(states))
+    assert str(caught.value).splitlines() == [
+        "GPU 0: cannot plan MIG on Z900 (PCI device id 0x3FFF10DE): its MIG profile table is missing from the "
+        "agent's GPU catalog, and NVML lists placements only with MIG enabled",
+        "GPU 1: L40S does not support MIG",
+    ]

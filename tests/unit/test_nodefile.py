@@ -16,8 +16,9 @@ from agent.nvml.nodefile import (
     presets,
 )
 
-KNOWN_PRESETS = ("a100-pcie-nvlink-pairs, dgx-a100, dgx-h100, hgx-16-nvswitch, hgx-h200, pcie-16-nvlink-pairs, "
-                 "pcie-l40s-4, single-h200")
+KNOWN_PRESETS = ("a100-pcie-nvlink-pairs, dgx-a100, dgx-b200, dgx-h100, gb200-nvl72-tray, gb300-nvl72-tray, "
+                 "hgx-16-nvswitch, hgx-b300, hgx-h20, hgx-h200, pcie-16-nvlink-pairs, pcie-h100-nvl-pair, "
+                 "pcie-l40s-4, pcie-rtx-pro-6000-8, single-gh200, single-h200")
 
 
 def _errors(text: str) -> list[str]:
@@ -154,8 +155,8 @@ def test_load_node_from_a_file(tmp_path: Path) -> None:
 
 def test_unknown_preset() -> None:
     with pytest.raises(NodeFileError) as caught:
-        load_node("dgx-b200")
-    assert str(caught.value) == f"unknown node preset 'dgx-b200' (known: {KNOWN_PRESETS})"
+        load_node("dgx-vr200")
+    assert str(caught.value) == f"unknown node preset 'dgx-vr200' (known: {KNOWN_PRESETS})"
 
 
 def test_missing_file() -> None:
@@ -172,9 +173,10 @@ def test_unknown_key() -> None:
 
 
 def test_unknown_model() -> None:
-    assert _errors("version: v1\ngpus: [{model: T4, numa_node: 0}, {model: B200, numa_node: 0}]\n") == [
-        "node.yaml: gpus[1].model: unknown GPU model 'B200' (known: A100-SXM4-40GB, A100-SXM4-80GB, "
-        "H100-SXM5-80GB, H200-141GB, L40S, T4)",
+    assert _errors("version: v1\ngpus: [{model: T4, numa_node: 0}, {model: VR200, numa_node: 0}]\n") == [
+        "node.yaml: gpus[1].model: unknown GPU model 'VR200' (known: A100-SXM4-40GB, A100-SXM4-80GB, "
+        "H100-SXM5-80GB, H200-141GB, H100-NVL, H20, GH200-480GB, B200, GB200, B300-SXM6, GB300, RTX-PRO-6000-BSE, "
+        "L40S, T4)",
     ]
 
 

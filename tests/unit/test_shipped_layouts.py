@@ -27,8 +27,10 @@ MIXED = parse_config("version: v1\nflags:\n  migStrategy: mixed\n")
 RESET_HINT = "let the GPUs go idle and apply again, or reset the GPUs (reboot the node)"
 
 # The presets: their GPU model (as the planner's messages name it), their GPU count, and whether a MIG mode
-# change waits for a GPU reset (Ampere) or happens at once on an idle GPU (Hopper).
+# change waits for a GPU reset (Ampere) or happens at once on an idle GPU (Hopper and Blackwell).
 H100, A100_40, A100_80, H200, L40S = "H100 80GB HBM3", "A100-SXM4-40GB", "A100-SXM4-80GB", "H200", "L40S"
+B200, B300, GB200, RTX = "B200", "B300 SXM6 AC", "GB200", "RTX PRO 6000 Blackwell Server Edition"
+GB300, H100_NVL, H20, GH200 = "GB300", "H100 NVL", "H20", "GH200 480GB"
 PRESETS: dict[str, tuple[str, int, bool]] = {
     "dgx-h100": (H100, 8, False),
     "hgx-16-nvswitch": (H100, 16, False),
@@ -38,7 +40,17 @@ PRESETS: dict[str, tuple[str, int, bool]] = {
     "hgx-h200": (H200, 8, False),
     "single-h200": (H200, 1, False),
     "pcie-l40s-4": (L40S, 4, False),
+    "dgx-b200": (B200, 8, False),
+    "hgx-b300": (B300, 8, False),
+    "gb200-nvl72-tray": (GB200, 4, False),
+    "pcie-rtx-pro-6000-8": (RTX, 8, False),
+    "gb300-nvl72-tray": (GB300, 4, False),
+    "pcie-h100-nvl-pair": (H100_NVL, 2, False),
+    "hgx-h20": (H20, 8, False),
+    "single-gh200": (GH200, 1, False),
 }
+NEW_PRESETS = ("dgx-b200", "hgx-b300", "gb200-nvl72-tray", "pcie-rtx-pro-6000-8", "gb300-nvl72-tray",
+               "pcie-h100-nvl-pair", "hgx-h20", "single-gh200")
 
 
 @dataclass(frozen=True)
@@ -255,15 +267,24 @@ EXPECTED: dict[str, dict[str, Applied | Untouched | Refused]] = {
         "single-h200": Applied({"nvidia.com/mig-1g.18gb.me": 1}),
         "pcie-l40s-4": NO_MIG,
     },
+    # Filtered by PCI id since GB300 takes 7 where H200 takes 4: the other presets are in neither filter.
     "all-1g.35gb": {
-        "dgx-h100": missing("1g.35gb", H100),
-        "hgx-16-nvswitch": missing("1g.35gb", H100),
-        "dgx-a100": missing("1g.35gb", A100_40),
-        "a100-pcie-nvlink-pairs": missing("1g.35gb", A100_80),
-        "pcie-16-nvlink-pairs": missing("1g.35gb", A100_80),
+        "dgx-h100": Untouched(8),
+        "hgx-16-nvswitch": Untouched(16),
+        "dgx-a100": Untouched(8),
+        "a100-pcie-nvlink-pairs": Untouched(4),
+        "pcie-16-nvlink-pairs": Untouched(16),
         "hgx-h200": Applied({"nvidia.com/mig-1g.35gb": 32}),
         "single-h200": Applied({"nvidia.com/mig-1g.35gb": 4}),
-        "pcie-l40s-4": NO_MIG,
+        "pcie-l40s-4": Untouched(4),
+        "dgx-b200": Untouched(8),
+        "hgx-b300": Untouched(8),
+        "gb200-nvl72-tray": Untouched(4),
+        "pcie-rtx-pro-6000-8": Untouched(8),
+        "gb300-nvl72-tray": Applied({"nvidia.com/mig-1g.35gb": 28}),
+        "pcie-h100-nvl-pair": Untouched(2),
+        "hgx-h20": Untouched(8),
+        "single-gh200": Untouched(1),
     },
     "all-2g.35gb": {
         "dgx-h100": missing("2g.35gb", H100),
@@ -314,8 +335,134 @@ EXPECTED: dict[str, dict[str, Applied | Untouched | Refused]] = {
         "hgx-h200": mig(8, **{"1g_18gb": 2, "2g_35gb": 1, "3g_71gb": 1}),
         "single-h200": mig(1, **{"1g_18gb": 2, "2g_35gb": 1, "3g_71gb": 1}),
         "pcie-l40s-4": Untouched(4),
+        # B200 and GB200: 2 x 1g, 2g and 3g as on the 8-slice parts; B300 the same with its names; RTX PRO 6000:
+        # 2 x 1g.24gb + 2g.48gb (the GPU Operator's entry), a 2g half and two 1g quarters of its 12 units.
+        "dgx-b200": mig(8, **{"1g_23gb": 2, "2g_45gb": 1, "3g_90gb": 1}),
+        "hgx-b300": mig(8, **{"1g_34gb": 2, "2g_67gb": 1, "3g_135gb": 1}),
+        "gb200-nvl72-tray": mig(4, **{"1g_23gb": 2, "2g_47gb": 1, "3g_93gb": 1}),
+        "pcie-rtx-pro-6000-8": mig(8, **{"1g_24gb": 2, "2g_48gb": 1}),
+        "gb300-nvl72-tray": mig(4, **{"1g_35gb": 2, "2g_70gb": 1, "3g_139gb": 1}),
+        # H100 NVL, H20 and GH200: the 8-slice geometry with their names.
+        "pcie-h100-nvl-pair": mig(2, **{"1g_12gb": 2, "2g_24gb": 1, "3g_47gb": 1}),
+        "hgx-h20": mig(8, **{"1g_12gb": 2, "2g_24gb": 1, "3g_48gb": 1}),
+        "single-gh200": mig(1, **{"1g_12gb": 2, "2g_24gb": 1, "3g_48gb": 1}),
     },
 }
+
+# The profile of each layout that names one profile: on a GPU whose model lacks it, the layout is refused
+# naming it.
+PROFILE_OF = {
+    "all-1g.5gb": "1g.5gb", "all-1g.5gb.me": "1g.5gb+me", "all-2g.10gb": "2g.10gb", "all-3g.20gb": "3g.20gb",
+    "all-4g.20gb": "4g.20gb", "all-7g.40gb": "7g.40gb", "all-1g.10gb.me": "1g.10gb+me", "all-1g.20gb": "1g.20gb",
+    "all-2g.20gb": "2g.20gb", "all-3g.40gb": "3g.40gb", "all-4g.40gb": "4g.40gb", "all-7g.80gb": "7g.80gb",
+    "all-1g.18gb": "1g.18gb", "all-1g.18gb.me": "1g.18gb+me", "all-2g.35gb": "2g.35gb", "all-3g.71gb": "3g.71gb",
+    "all-4g.71gb": "4g.71gb", "all-7g.141gb": "7g.141gb",
+    "all-1g.12gb": "1g.12gb", "all-1g.12gb.me": "1g.12gb+me", "all-1g.24gb": "1g.24gb", "all-2g.24gb": "2g.24gb",
+    "all-3g.47gb": "3g.47gb", "all-4g.47gb": "4g.47gb", "all-7g.94gb": "7g.94gb", "all-3g.48gb": "3g.48gb",
+    "all-4g.48gb": "4g.48gb", "all-7g.96gb": "7g.96gb",
+    "all-1g.23gb": "1g.23gb", "all-1g.23gb.me": "1g.23gb+me",
+    "all-1g.45gb": "1g.45gb", "all-2g.45gb": "2g.45gb", "all-3g.90gb": "3g.90gb", "all-4g.90gb": "4g.90gb",
+    "all-7g.180gb": "7g.180gb",
+    "all-1g.47gb": "1g.47gb", "all-2g.47gb": "2g.47gb", "all-3g.93gb": "3g.93gb", "all-4g.93gb": "4g.93gb",
+    "all-7g.186gb": "7g.186gb",
+    "all-1g.34gb": "1g.34gb", "all-1g.34gb.me": "1g.34gb+me", "all-1g.67gb": "1g.67gb", "all-2g.67gb": "2g.67gb",
+    "all-3g.135gb": "3g.135gb", "all-4g.135gb": "4g.135gb", "all-7g.269gb": "7g.269gb",
+    "all-1g.35gb.me": "1g.35gb+me", "all-1g.70gb": "1g.70gb", "all-2g.70gb": "2g.70gb", "all-3g.139gb": "3g.139gb",
+    "all-4g.139gb": "4g.139gb", "all-7g.278gb": "7g.278gb",
+    "all-1g.24gb.me": "1g.24gb+me", "all-1g.24gb.gfx": "1g.24gb+gfx", "all-1g.24gb.me.all": "1g.24gb+me.all",
+    "all-1g.24gb-me": "1g.24gb-me", "all-2g.48gb": "2g.48gb", "all-2g.48gb.gfx": "2g.48gb+gfx",
+    "all-2g.48gb.me.all": "2g.48gb+me.all", "all-2g.48gb-me": "2g.48gb-me", "all-4g.96gb": "4g.96gb",
+    "all-4g.96gb.gfx": "4g.96gb+gfx",
+}
+
+
+def refused_elsewhere(layout: str, **applies: Applied) -> dict[str, Applied | Untouched | Refused]:
+    """A one-profile layout's row: ``applies`` on the presets named (``-`` written ``_``), refused on every other
+    preset: the L40S has no MIG, the other models lack the profile."""
+    named = {preset.replace("_", "-"): outcome for preset, outcome in applies.items()}
+    return {preset: named.get(preset, NO_MIG if model == L40S else missing(PROFILE_OF[layout], model))
+            for preset, (model, _, _) in PRESETS.items()}
+
+
+# The layouts the Blackwell presets gained. Per GPU (the MIG user guide's B200 table and the GPU Operator's
+# counts): B200 7 x 1g.23gb, 1 x 1g.23gb+me, 4 x 1g.45gb, 3 x 2g.45gb, 2 x 3g.90gb, 1 x 4g.90gb, 1 x 7g.180gb;
+# GB200 the same counts as 1g.23gb, 1g.47gb, 2g.47gb, 3g.93gb, 4g.93gb, 7g.186gb; B300 as 1g.34gb, 1g.67gb,
+# 2g.67gb, 3g.135gb, 4g.135gb, 7g.269gb; GB300 as 1g.35gb, 1g.35gb+me, 1g.70gb, 2g.70gb, 3g.139gb, 4g.139gb,
+# 7g.278gb. H100 NVL (the guide's 94 GB table) 7 x 1g.12gb, 1 x 1g.12gb+me, 4 x 1g.24gb, 3 x 2g.24gb,
+# 2 x 3g.47gb, 1 x 4g.47gb, 1 x 7g.94gb; H20 and GH200 (the 96 GB table) the same with 3g.48gb, 4g.48gb, 7g.96gb.
+# RTX PRO 6000 (the guide's RTX PRO 6000 table): 4 x 1g.24gb, +gfx and -me, 1 x +me and +me.all; 2 x 2g.48gb,
+# +gfx and -me, 1 x 2g.48gb+me.all; 1 x 4g.96gb and +gfx.
+EXPECTED.update({
+    "all-1g.23gb": refused_elsewhere("all-1g.23gb", dgx_b200=mig(8, **{"1g_23gb": 7}),
+                                     gb200_nvl72_tray=mig(4, **{"1g_23gb": 7})),
+    "all-1g.23gb.me": refused_elsewhere("all-1g.23gb.me", dgx_b200=mig(8, **{"1g_23gb_me": 1}),
+                                        gb200_nvl72_tray=mig(4, **{"1g_23gb_me": 1})),
+    "all-1g.45gb": refused_elsewhere("all-1g.45gb", dgx_b200=mig(8, **{"1g_45gb": 4})),
+    "all-2g.45gb": refused_elsewhere("all-2g.45gb", dgx_b200=mig(8, **{"2g_45gb": 3})),
+    "all-3g.90gb": refused_elsewhere("all-3g.90gb", dgx_b200=mig(8, **{"3g_90gb": 2})),
+    "all-4g.90gb": refused_elsewhere("all-4g.90gb", dgx_b200=mig(8, **{"4g_90gb": 1})),
+    "all-7g.180gb": refused_elsewhere("all-7g.180gb", dgx_b200=mig(8, **{"7g_180gb": 1})),
+    "all-1g.47gb": refused_elsewhere("all-1g.47gb", gb200_nvl72_tray=mig(4, **{"1g_47gb": 4})),
+    "all-2g.47gb": refused_elsewhere("all-2g.47gb", gb200_nvl72_tray=mig(4, **{"2g_47gb": 3})),
+    "all-3g.93gb": refused_elsewhere("all-3g.93gb", gb200_nvl72_tray=mig(4, **{"3g_93gb": 2})),
+    "all-4g.93gb": refused_elsewhere("all-4g.93gb", gb200_nvl72_tray=mig(4, **{"4g_93gb": 1})),
+    "all-7g.186gb": refused_elsewhere("all-7g.186gb", gb200_nvl72_tray=mig(4, **{"7g_186gb": 1})),
+    "all-1g.34gb": refused_elsewhere("all-1g.34gb", hgx_b300=mig(8, **{"1g_34gb": 7})),
+    "all-1g.34gb.me": refused_elsewhere("all-1g.34gb.me", hgx_b300=mig(8, **{"1g_34gb_me": 1})),
+    "all-1g.67gb": refused_elsewhere("all-1g.67gb", hgx_b300=mig(8, **{"1g_67gb": 4})),
+    "all-2g.67gb": refused_elsewhere("all-2g.67gb", hgx_b300=mig(8, **{"2g_67gb": 3})),
+    "all-3g.135gb": refused_elsewhere("all-3g.135gb", hgx_b300=mig(8, **{"3g_135gb": 2})),
+    "all-4g.135gb": refused_elsewhere("all-4g.135gb", hgx_b300=mig(8, **{"4g_135gb": 1})),
+    "all-7g.269gb": refused_elsewhere("all-7g.269gb", hgx_b300=mig(8, **{"7g_269gb": 1})),
+    "all-1g.24gb": refused_elsewhere("all-1g.24gb", pcie_rtx_pro_6000_8=mig(8, **{"1g_24gb": 4}),
+                                     pcie_h100_nvl_pair=mig(2, **{"1g_24gb": 4}), hgx_h20=mig(8, **{"1g_24gb": 4}),
+                                     single_gh200=mig(1, **{"1g_24gb": 4})),
+    "all-1g.12gb": refused_elsewhere("all-1g.12gb", pcie_h100_nvl_pair=mig(2, **{"1g_12gb": 7}),
+                                     hgx_h20=mig(8, **{"1g_12gb": 7}), single_gh200=mig(1, **{"1g_12gb": 7})),
+    "all-1g.12gb.me": refused_elsewhere("all-1g.12gb.me", pcie_h100_nvl_pair=mig(2, **{"1g_12gb_me": 1}),
+                                        hgx_h20=mig(8, **{"1g_12gb_me": 1}),
+                                        single_gh200=mig(1, **{"1g_12gb_me": 1})),
+    "all-2g.24gb": refused_elsewhere("all-2g.24gb", pcie_h100_nvl_pair=mig(2, **{"2g_24gb": 3}),
+                                     hgx_h20=mig(8, **{"2g_24gb": 3}), single_gh200=mig(1, **{"2g_24gb": 3})),
+    "all-3g.47gb": refused_elsewhere("all-3g.47gb", pcie_h100_nvl_pair=mig(2, **{"3g_47gb": 2})),
+    "all-4g.47gb": refused_elsewhere("all-4g.47gb", pcie_h100_nvl_pair=mig(2, **{"4g_47gb": 1})),
+    "all-7g.94gb": refused_elsewhere("all-7g.94gb", pcie_h100_nvl_pair=mig(2, **{"7g_94gb": 1})),
+    "all-3g.48gb": refused_elsewhere("all-3g.48gb", hgx_h20=mig(8, **{"3g_48gb": 2}),
+                                     single_gh200=mig(1, **{"3g_48gb": 2})),
+    "all-4g.48gb": refused_elsewhere("all-4g.48gb", hgx_h20=mig(8, **{"4g_48gb": 1}),
+                                     single_gh200=mig(1, **{"4g_48gb": 1})),
+    "all-7g.96gb": refused_elsewhere("all-7g.96gb", hgx_h20=mig(8, **{"7g_96gb": 1}),
+                                     single_gh200=mig(1, **{"7g_96gb": 1})),
+    "all-1g.35gb.me": refused_elsewhere("all-1g.35gb.me", gb300_nvl72_tray=mig(4, **{"1g_35gb_me": 1})),
+    "all-1g.70gb": refused_elsewhere("all-1g.70gb", gb300_nvl72_tray=mig(4, **{"1g_70gb": 4})),
+    "all-2g.70gb": refused_elsewhere("all-2g.70gb", gb300_nvl72_tray=mig(4, **{"2g_70gb": 3})),
+    "all-3g.139gb": refused_elsewhere("all-3g.139gb", gb300_nvl72_tray=mig(4, **{"3g_139gb": 2})),
+    "all-4g.139gb": refused_elsewhere("all-4g.139gb", gb300_nvl72_tray=mig(4, **{"4g_139gb": 1})),
+    "all-7g.278gb": refused_elsewhere("all-7g.278gb", gb300_nvl72_tray=mig(4, **{"7g_278gb": 1})),
+    "all-1g.24gb.me": refused_elsewhere("all-1g.24gb.me", pcie_rtx_pro_6000_8=mig(8, **{"1g_24gb_me": 1})),
+    "all-1g.24gb.gfx": refused_elsewhere("all-1g.24gb.gfx", pcie_rtx_pro_6000_8=mig(8, **{"1g_24gb_gfx": 4})),
+    "all-1g.24gb.me.all": refused_elsewhere("all-1g.24gb.me.all",
+                                            pcie_rtx_pro_6000_8=mig(8, **{"1g_24gb_me_all": 1})),
+    "all-1g.24gb-me": refused_elsewhere("all-1g.24gb-me", pcie_rtx_pro_6000_8=mig(8, **{"1g_24gb-me": 4})),
+    "all-2g.48gb": refused_elsewhere("all-2g.48gb", pcie_rtx_pro_6000_8=mig(8, **{"2g_48gb": 2})),
+    "all-2g.48gb.gfx": refused_elsewhere("all-2g.48gb.gfx", pcie_rtx_pro_6000_8=mig(8, **{"2g_48gb_gfx": 2})),
+    "all-2g.48gb.me.all": refused_elsewhere("all-2g.48gb.me.all",
+                                            pcie_rtx_pro_6000_8=mig(8, **{"2g_48gb_me_all": 1})),
+    "all-2g.48gb-me": refused_elsewhere("all-2g.48gb-me", pcie_rtx_pro_6000_8=mig(8, **{"2g_48gb-me": 2})),
+    "all-4g.96gb": refused_elsewhere("all-4g.96gb", pcie_rtx_pro_6000_8=mig(8, **{"4g_96gb": 1})),
+    "all-4g.96gb.gfx": refused_elsewhere("all-4g.96gb.gfx", pcie_rtx_pro_6000_8=mig(8, **{"4g_96gb_gfx": 1})),
+})
+# The newer presets on the layouts written before them: all disabled is where they start, MIG on without
+# instances advertises nothing, the PCI-filtered 1g.10gb layout selects none of them, and every one-profile
+# layout of the A100, H100 and H200 names a profile they lack.
+for _preset in NEW_PRESETS:
+    _model, _gpus, _ = PRESETS[_preset]
+    EXPECTED["all-disabled"][_preset] = Applied({"nvidia.com/gpu": _gpus}, already=True)
+    EXPECTED["all-enabled"][_preset] = Applied({})
+    EXPECTED["all-1g.10gb"][_preset] = Untouched(_gpus)
+    for _name, _row in EXPECTED.items():
+        if _preset not in _row:
+            _row[_preset] = missing(PROFILE_OF[_name], _model)
 SHIPPED = load_layouts(None)
 CASES = [(preset, name) for name in EXPECTED for preset in EXPECTED[name]]
 
