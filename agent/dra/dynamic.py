@@ -32,6 +32,7 @@ from agent.dra.slices import (
     PcieRootLookup,
     gpu_attributes,
     health_taints,
+    mib_quantity,
     mig_device_name,
     nvlink_cliques,
     published_migs,
@@ -158,7 +159,7 @@ def placement_device(device: PlacementDevice, state: NodeState, cliques: Any, pc
     counts = {"multiprocessors": profile.multiprocessor_count, "copyEngines": profile.copy_engines,
               "decoders": profile.decoders, "encoders": profile.encoders, "jpegEngines": profile.jpegs,
               "ofaEngines": profile.ofas}
-    capacity = {"memory": {"value": f"{profile.memory_size_mib}Mi"},
+    capacity = {"memory": {"value": mib_quantity(profile.memory_size_mib)},
                 **{k: {"value": str(v)} for k, v in counts.items()}}
     consumed = {memory_slice_counter(n): {"value": "1"}
                 for n in range(placement.start, placement.start + placement.size)}

@@ -194,9 +194,17 @@ class SlicePublisher:
                 meta = have.get("metadata") or {}
                 if self._written == (meta.get("resourceVersion"), devices):
                     return False  # unchanged since this agent wrote it
-                stored = int(((have.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                stored_spec = have.get("spec") or {}
+                stored = int((stored_spec.get("pool") or {}).get("generation") or 0)
+                _keep_taint_times(wanted["devices"], stored_spec.get("devices") or [])
+                if _same_but_generation(wanted, stored_spec) and (not tainted or self._keeps_taints(tainted, have)):
+                    # What the API server has is what this agent wants (a restarted agent finds the slice it
+                    # wrote before): taken as written, with no write.
+                    self.generation = stored
+                    self._stored = have
+                    self._written = (meta.get("resourceVersion"), devices)
+                    return False
                 generation = max(self.generation, stored) + 1
-                _keep_taint_times(wanted["devices"], (have.get("spec") or {}).get("devices") or [])
                 body["metadata"] = meta
             else:
                 generation = self.generation + 1
@@ -284,6 +292,13 @@ class SlicePublisher:
                 self.verify = True  # a republish, or the time for a check
             if self._bus.current.version != state.version:
                 self.published.clear()
+
+
+def _same_but_generation(wanted: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether two slice specs say the same but for the pool generation."""
+    def masked(spec: dict[str, Any]) -> dict[str, Any]:
+        return {**spec, "pool": {**(spec.get("pool") or {}), "generation": None}}
+    return masked(wanted) == masked(stored)
 
 
 def _keep_taint_times(devices: list[dict[str, Any]], stored: list[dict[str, Any]]) -> None:

@@ -175,6 +175,18 @@ def _multiprocessors(gpu: GpuInfo) -> int | None:
     return model.multiprocessor_count if model is not None else None
 
 
+def mib_quantity(mib: int) -> str:
+    """`mib` MiB as the API server writes the quantity back (its canonical binary form: the largest suffix that
+    keeps the number whole, 81920Mi as 80Gi), so that a slice read back compares equal to the one wanted."""
+    value, suffixes = mib, ["Mi", "Gi", "Ti", "Pi", "Ei"]
+    if value == 0:
+        return "0"
+    while value % 1024 == 0 and len(suffixes) > 1:
+        value //= 1024
+        suffixes.pop(0)
+    return f"{value}{suffixes[0]}"
+
+
 def device_name(gpu: GpuInfo) -> str:
     return f"gpu-{gpu.index}"
 
@@ -297,7 +309,7 @@ def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: Pcie
     attributes: dict[str, dict[str, Any]] = {
         "type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, "index": {"int": gpu.index},
         "minor": {"int": gpu.minor}, **gpu_attributes(gpu, state, cliques, pcie_root)}
-    capacity: dict[str, dict[str, str]] = {"memory": {"value": f"{gpu.memory_mib}Mi"}}
+    capacity: dict[str, dict[str, str]] = {"memory": {"value": mib_quantity(gpu.memory_mib)}}
     sms = _multiprocessors(gpu)
     if sms is not None:
         capacity["multiprocessors"] = {"value": str(sms)}
@@ -327,7 +339,7 @@ def mig_device(gpu: GpuInfo, mig: MigInfo, state: NodeState, cliques: Cliques, p
         **gpu_attributes(gpu, state, cliques, pcie_root)}
     counts = {"multiprocessors": mig.multiprocessors, "copyEngines": mig.copy_engines, "decoders": mig.decoders,
               "encoders": mig.encoders, "jpegEngines": mig.jpegs, "ofaEngines": mig.ofas}
-    capacity = {"memory": {"value": f"{mig.memory_mib}Mi"}, **{k: {"value": str(v)} for k, v in counts.items()}}
+    capacity = {"memory": {"value": mib_quantity(mig.memory_mib)}, **{k: {"value": str(v)} for k, v in counts.items()}}
     return {"name": mig_device_name(mig), "attributes": attributes, "capacity": capacity}
 
 

@@ -18,6 +18,8 @@ from dra_rig import (
     AGENT_NAMESPACE,
     DEVICE_CLASS,
     DRIVER,
+    GROUP,
+    VERSION,
     ControlPlane,
     allocated,
     claim_of_pod,
@@ -25,6 +27,7 @@ from dra_rig import (
     create_claim,
     create_pod,
     create_template,
+    delete_node,
     dra_agent,
     example,
     setup_cluster,
@@ -161,6 +164,28 @@ async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, agent_k
         agent.dra.slices.republish()
         await asyncio.wait_for(agent.dra.slices.published.wait(), 10)
         assert slice_requests(agent) == {("list", "200"): 2, ("post", "201"): 1}
+
+
+async def test_a_restarted_agent_takes_its_unchanged_slice_with_one_list_and_no_write(
+        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+    """An agent restarted where its slice is still there as it left it (a DaemonSet rollout on a node whose
+    kubelet kept the slice) lists it and writes nothing: the slice keeps its resourceVersion and generation 1."""
+    try:
+        async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
+                agent, _):
+            assert slice_requests(agent) == {("list", "200"): 1, ("post", "201"): 1}
+        [before] = await asyncio.to_thread(slices_of, apiserver, "dra-again")
+        async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
+                agent, _):
+            assert slice_requests(agent) == {("list", "200"): 1}
+        [after] = await asyncio.to_thread(slices_of, apiserver, "dra-again")
+        assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+        assert after["spec"]["pool"]["generation"] == 1
+    finally:
+        await asyncio.to_thread(delete_node, apiserver, "dra-again")
+        for stale in await asyncio.to_thread(slices_of, apiserver, "dra-again"):
+            await asyncio.to_thread(k8s.CustomObjectsApi(apiserver.admin_client()).delete_cluster_custom_object,
+                                    GROUP, VERSION, "resourceslices", stale["metadata"]["name"])
 
 
 async def test_the_scheduler_keeps_a_two_gpu_claim_on_one_nvlink_pair(

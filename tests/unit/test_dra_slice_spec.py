@@ -79,7 +79,7 @@ def test_bridged_pairs_are_pairs_groups_and_domains_of_their_own() -> None:
     assert attrs(spec, "resource.kubernetes.io/pciBusID") == {
         "gpu-0": {"string": "0000:18:00.0"}, "gpu-1": {"string": "0000:2a:00.0"},
         "gpu-2": {"string": "0000:3a:00.0"}, "gpu-3": {"string": "0000:5d:00.0"}}
-    assert by_name(spec)["gpu-0"]["capacity"] == {"memory": {"value": "81920Mi"}, "multiprocessors": {"value": "108"}}
+    assert by_name(spec)["gpu-0"]["capacity"] == {"memory": {"value": "80Gi"}, "multiprocessors": {"value": "108"}}
 
 
 def test_gpus_without_nvlink_have_no_clique_attributes() -> None:
@@ -312,7 +312,7 @@ def test_time_sliced_gpus_are_published_as_their_replicas() -> None:
     assert second["attributes"] == {**whole["attributes"], "type": {"string": "shared"},  # type: ignore[dict-item]
                                     "sharing": {"string": "time-slicing"}, "replica": {"int": 1},
                                     "replicas": {"int": 3}}
-    assert second["capacity"] == whole["capacity"] == {"memory": {"value": "81920Mi"},
+    assert second["capacity"] == whole["capacity"] == {"memory": {"value": "80Gi"},
                                                        "multiprocessors": {"value": "108"}}
     assert second["attributes"]["nvlinkPair"] == {"int": 0}  # type: ignore[index]
     assert spec["gpu-1"]["attributes"]["type"] == {"string": "gpu"}  # type: ignore[index]
@@ -443,3 +443,12 @@ async def test_the_first_taint_is_a_dry_run_that_decides_the_health_mode(
     assert await publisher.sync(sicker)
     assert api.writes[3:] == [("replace", False)]
     assert modes == [mode]
+
+
+def test_memory_is_written_in_the_api_servers_canonical_form() -> None:
+    """The API server stores a quantity in its canonical form (a binary quantity under the largest suffix that
+    keeps it whole: 81920Mi comes back as 80Gi); the slice says it that way, so a slice read back compares equal."""
+    from agent.dra.slices import mib_quantity
+
+    assert [mib_quantity(m) for m in (81920, 81559, 40448, 1024, 1048576, 1536, 0)] == [
+        "80Gi", "81559Mi", "40448Mi", "1Gi", "1Ti", "1536Mi", "0"]

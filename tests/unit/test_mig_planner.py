@@ -27,9 +27,10 @@ from agent.mig.planner import (
     plan_gpu,
     plan_node,
 )
-from agent.nvml.backend import MigGpuState, NvmlBackend
+from agent.nvml.backend import NvmlBackend
 from agent.nvml.catalog import Placement, lookup
 from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigGpuState
 from agent.nvml.nodefile import load_node
 from agent.nvml.records import MigDeviceInfo
 

@@ -14,7 +14,8 @@ import pytest
 from agent.config import DEFAULT_CONFIG
 from agent.mig.applier import apply_layout
 from agent.mig.layout import parse_layouts
-from agent.nvml.backend import MigOps, open_backend
+from agent.nvml.backend import open_backend
+from agent.nvml.mig_ops import MigOps
 from agent.simulate import simulate
 
 # preset: (gpu.product, gpu.memory in MiB, compute major, minor, gpu.family, GPU count, NUMA node of each GPU,
