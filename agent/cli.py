@@ -17,6 +17,7 @@ from typing import Any
 
 from agent import logsink
 from agent.config import ConfigError, load_config
+from agent.kube.usage import START_JITTER_S
 from agent.nvml import MockStateError
 from agent.yamlfile import one_line
 
@@ -75,6 +76,17 @@ def _address(text: str) -> str:
     raise argparse.ArgumentTypeError(f"not an IPv4 or IPv6 address or a host name: {text!r}")
 
 
+def _not_negative(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
 def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
     """An argparse type: a number of `kind` above 0."""
     def parse(text: str) -> float:
@@ -119,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--kube-api-burst", type=_positive(int), default=10, metavar="N",
                      help="requests to the API server at once before --kube-api-qps paces them "
                           "(default: %(default)s)")
+    run.add_argument("--kube-start-jitter", type=_not_negative, default=START_JITTER_S, metavar="SECONDS",
+                     help="the first request to the API server goes at a random moment within this many seconds "
+                          "of the start, so that agents started together reach it spread out; a GPU fault, and "
+                          "the check of the agent's own Pod, go at once (default: %(default)s; 0: none)")
     run.add_argument("--log-format", choices=("text", "json"), default="text")
 
     inspect = sub.add_parser("inspect", help="print what the agent sees through NVML")
@@ -185,7 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             try:
                 kube = await NodeApi.connect(args.kubeconfig, args.node_name, args.kube_api_qps,
-                                             int(args.kube_api_burst))
+                                             int(args.kube_api_burst), args.kube_start_jitter)
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
             from agent.kube.selfpod import NotTolerated, check_at_start

@@ -207,6 +207,9 @@ class InMemoryNode:
         self.writes += 1
         self.events.append((kind, reason, message))
 
+    def start_now(self) -> None:
+        """Nothing to wait for: the in-memory Node has no start jitter."""
+
 
 async def _settle(agent: Agent, kubelet: StandInKubelet, node: InMemoryNode, xids_injected: int) -> None:
     """Wait until injected XIDs were seen, the kubelet holds the agent's device lists and the node converged."""

@@ -5,8 +5,10 @@ goes through one `ApiClient` (aiohttp), with one client-side rate limit (a token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import random
 import re
 import time
 from collections.abc import AsyncIterator
@@ -103,11 +105,17 @@ def resource_of(path: str) -> str:
 class ApiClient:
     """Requests to the API server with the agent's credentials, one aiohttp session, one rate limit."""
 
-    def __init__(self, credentials: Credentials, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST) -> None:
+    def __init__(self, credentials: Credentials, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST,
+                 start_jitter_s: float = 0.0, rng: random.Random | None = None) -> None:
+        """`start_jitter_s`: requests wait until a random moment within that many seconds of now (0: none),
+        except those sent `urgent` and all of them once `start_now()` was called."""
         self.credentials = credentials
         self.limit = TokenBucket(qps, burst)
         self._session: aiohttp.ClientSession | None = None
         self.counts = ApiCounts()
+        self.opens_at = time.monotonic() + (rng or random.Random()).uniform(0.0, max(0.0, start_jitter_s))
+        """When requests may go (time.monotonic()); the start jitter's end."""
+        self._started: asyncio.Event | None = None
 
     @property
     def server(self) -> str:
@@ -125,21 +133,44 @@ class ApiClient:
         if self._session is not None:
             await self._session.close()
 
-    async def _throttle(self) -> None:
+    def start_now(self) -> None:
+        """End the start jitter's wait: from now on requests go at once (a fault must reach the Node now)."""
+        now = time.monotonic()
+        if now < self.opens_at:
+            log.info("API requests start now, %.1fs before the end of the start jitter", self.opens_at - now)
+            self.opens_at = now
+        if self._started is not None:
+            self._started.set()
+
+    async def _start_jitter(self) -> None:
+        """Wait for the end of the start jitter (or for start_now)."""
+        delay = self.opens_at - time.monotonic()
+        if delay <= 0:
+            return
+        if self._started is None:
+            self._started = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._started.wait()
+
+    async def _throttle(self, urgent: bool = False) -> None:
+        if not urgent:
+            await self._start_jitter()
         waited = await self.limit.take()
         if waited:
             self.counts.throttled += 1
             self.counts.throttled_seconds += waited
 
     async def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                      timeout: float = REQUEST_TIMEOUT_S) -> Any:
-        """One request; the decoded JSON answer (None for an empty one), or ApiError for an error status."""
+                      timeout: float = REQUEST_TIMEOUT_S, urgent: bool = False) -> Any:
+        """One request; the decoded JSON answer (None for an empty one), or ApiError for an error status.
+        `urgent`: sent without waiting for the start jitter (the rate limit still applies)."""
         headers = {"Accept": "application/json", **self.credentials.headers()}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body)
-        await self._throttle()
+        await self._throttle(urgent)
         verb = _verb(method, path)
         code = "error"
         try:

@@ -78,11 +78,16 @@ class NodeApi:
 
     @classmethod
     async def connect(cls, kubeconfig: Path | None, node_name: str, qps: float = DEFAULT_QPS,
-                      burst: int = DEFAULT_BURST) -> NodeApi:
+                      burst: int = DEFAULT_BURST, start_jitter_s: float = 0.0) -> NodeApi:
         """The client of the kubeconfig's current context (in-cluster credentials without one), with a rate
-        limit of `qps` requests a second on average and bursts of `burst`."""
+        limit of `qps` requests a second on average and bursts of `burst`, whose first requests wait until a
+        random moment within `start_jitter_s` of now (ApiClient)."""
         credentials = from_kubeconfig(kubeconfig) if kubeconfig is not None else in_cluster()
-        return cls(ApiClient(credentials, qps, burst), node_name)
+        return cls(ApiClient(credentials, qps, burst, start_jitter_s), node_name)
+
+    def start_now(self) -> None:
+        """Requests go at once from now on, the start jitter or not (a fault must reach the Node)."""
+        self.api.start_now()
 
     @property
     def counts(self) -> ApiCounts:
@@ -97,8 +102,8 @@ class NodeApi:
         return f"/api/v1/nodes/{quote(self.node_name, safe='')}"
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                       timeout: float = REQUEST_TIMEOUT_S) -> Any:
-        return await self.api.request(method, path, body, content_type, timeout)
+                       timeout: float = REQUEST_TIMEOUT_S, urgent: bool = False) -> Any:
+        return await self.api.request(method, path, body, content_type, timeout, urgent)
 
     async def get(self) -> NodeView:
         return node_view(await self._request("GET", self._node_path))
@@ -117,9 +122,10 @@ class NodeApi:
         return view, str((listed.get("metadata") or {}).get("resourceVersion") or view.resource_version)
 
     async def get_pod(self, namespace: str, name: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-        """A Pod as the API server has it: the agent reads its own, to check its tolerations (agent/kube/selfpod.py)."""
+        """A Pod as the API server has it: the agent reads its own, to check its tolerations (agent/kube/selfpod.py).
+        Sent without waiting for the start jitter: the check must answer before the agent starts."""
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
-        pod = await self._request("GET", path, timeout=timeout)
+        pod = await self._request("GET", path, timeout=timeout, urgent=True)
         return pod if isinstance(pod, dict) else {}
 
     async def watch(self, resource_version: str) -> AsyncIterator[NodeView | str]:

@@ -60,6 +60,7 @@ class NodeClient(Protocol):
     async def set_taints(self, taints: Sequence[Mapping[str, str]], resource_version: str) -> NodeView: ...
     async def set_condition(self, condition: Condition) -> NodeView: ...
     async def event(self, reason: str, message: str, kind: str = "Normal", uid: str = "") -> None: ...
+    def start_now(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -295,11 +296,17 @@ class NodeReconciler:
             await self._api.event(reason, message, kind, self._node.uid)
             self._emitted = incident.seq
 
+    def _start_now_on_fault(self) -> None:
+        """A GPU or node fault goes to the Node at once, whatever is left of the client's start jitter."""
+        if self._intent(self._bus.current).condition.status != "True":
+            self._api.start_now()
+
     async def _follow_state(self) -> None:
         """Converge whenever the state has a newer version or a new view of the Node came in; a failed converge
         is retried with its own backoff, so that writes never hold up the watch, nor the watch the writes."""
         version = self._bus.current.version
         while True:
+            self._start_now_on_fault()
             newer = asyncio.ensure_future(self._bus.wait_newer(version))
             seen = asyncio.ensure_future(self._dirty.wait())
             try:

@@ -59,6 +59,12 @@ CAP_JITTER = 0.3
 """A wait at the cap is the cap times 1 to 1 + this."""
 
 
+START_JITTER_S = 12.0
+"""`gpu-agent run`'s default: an agent's first request to the API server goes at a random moment within this
+many seconds of its start, so that a fleet started at once (a rollout with maxUnavailable 100%, nodes booted
+together) reaches the API server spread over this long, as after an API server restart (Backoff's first retry)."""
+
+
 class Backoff:
     """Exponential backoff with jitter for a loop that talks to the API server.
 

@@ -149,6 +149,17 @@ async def test_a_simulation_ended_by_a_signal_removes_its_directory(tmp_path: Pa
 # --- flags whose values are not what they claim ----------------------------------------------------------
 
 
+@pytest.mark.parametrize(("value", "why"), [
+    ("-1", "must be 0 or more, got '-1'"), ("inf", "must be 0 or more, got 'inf'"),
+    ("nan", "must be 0 or more, got 'nan'"), ("soon", "not a number: 'soon'")])
+def test_a_start_jitter_that_is_not_a_duration_is_refused_naming_the_flag(kubelet_dir: Path, value: str,
+                                                                          why: str) -> None:
+    result = run_agent(kubelet_dir, f"--kube-start-jitter={value}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == f"gpu-agent run: error: argument --kube-start-jitter: {why}"
+
+
 @pytest.mark.parametrize("address", ["not an address", "999.1.1.1", "", "[127.0.0.1]", "[::1", "under_score.example"])
 def test_a_metrics_address_that_is_not_one_is_refused_naming_the_flag(kubelet_dir: Path, address: str) -> None:
     result = run_agent(kubelet_dir, "--metrics-address", address)

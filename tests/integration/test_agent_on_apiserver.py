@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import random
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,8 @@ from kubernetes import watch as k8s_watch
 
 from agent.agent import Agent
 from agent.config import AgentConfig, parse_config
+from agent.kube.client import ApiClient
+from agent.kube.credentials import from_kubeconfig
 from agent.kube.node import NodeApi
 from agent.labels import node_labels
 from agent.nvml.fake import FakeNvml
@@ -213,6 +216,48 @@ async def test_node_fault_taints_then_recovers_keeping_foreign_taints(
             await wait_until(lambda: [m for m in event_messages() if "GPURecovered" in m], 10, "recovery event",
                              blocking=True)
         )
+
+
+class LongestJitter(random.Random):
+    """A start jitter drawn at its longest."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def jittered(kubeconfig_path: Path, seconds: float) -> NodeApi:
+    return NodeApi(ApiClient(from_kubeconfig(kubeconfig_path), start_jitter_s=seconds, rng=LongestJitter()), NODE)
+
+
+async def test_an_agent_reaches_the_api_server_only_after_its_start_jitter(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    """Agents started together reach the API server spread over the start jitter: nothing is sent before the
+    agent's moment (here the longest, 4 s), and the Node is labelled soon after it."""
+    kube = jittered(agent_kubeconfig, 4.0)
+    started = time.monotonic()
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=kube, await_node=False):
+        await asyncio.sleep(3.0)
+        assert sum(kube.counts.requests.values()) == 0
+        assert "nvidia.com/gpu.count" not in (admin_core.read_node(NODE).metadata.labels or {})
+        await wait_until(lambda: (admin_core.read_node(NODE).metadata.labels or {}).get("nvidia.com/gpu.count"),
+                         10, "the count label", blocking=True)
+        assert time.monotonic() - started >= 4.0
+
+
+async def test_a_node_fault_at_start_is_not_held_back_by_the_start_jitter(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    """A node fault goes to the Node at once, however long the start jitter: an XID 79 just after the agent
+    started taints the node within seconds, not after the 60 s drawn here."""
+    kube = jittered(agent_kubeconfig, 60.0)
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=kube, await_node=False) as rig:
+        assert sum(kube.counts.requests.values()) == 0
+        rig.fake.inject_xid(3, 79)
+        node = await wait_until(
+            lambda: (n := admin_core.read_node(NODE)) and agent_taints(n) and healthy(n) == "False" and n,
+            10, "taint and condition", blocking=True)
+        assert agent_taints(node) == [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
 
 
 async def test_a_machine_type_no_label_takes_still_lets_a_fault_taint_the_node(
