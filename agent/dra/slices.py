@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from agent.inventory import GPU_RESOURCE, Resource, mps_shared_gpus, plan
 from agent.nvml.catalog import MODELS
+from agent.nvml.records import short_bus_id
 from agent.state import DeviceHealth, NodeState
 from agent.topology.model import Topology
 from agent.topology.prefer import topology_of
@@ -154,15 +155,6 @@ def nvlink_cliques(topology: Topology) -> Cliques:
     return Cliques(pair, group, domain)
 
 
-def pci_bus_id(bus_id: str) -> str:
-    """NVML's bus id ("00000000:18:00.0") in the form resource.kubernetes.io/pciBusID takes ("0000:18:00.0")."""
-    bdf = bus_id.lower()
-    domain, sep, rest = bdf.partition(":")
-    if sep and len(domain) == 8:
-        bdf = domain[4:] + ":" + rest
-    return bdf
-
-
 def semver(text: str) -> str:
     """A version NVML reports ("570.133.20", "12.8", "535.104.05") as semantic version 2.0 text ("12.8.0",
     "535.104.5"), as NVIDIA's driver publishes it."""
@@ -291,7 +283,7 @@ def gpu_attributes(gpu: GpuInfo, state: NodeState, cliques: Cliques,
         "cudaComputeCapability": {"version": f"{major}.{minor}.0"},
         "driverVersion": {"version": semver(driver.version)},
         "cudaDriverVersion": {"version": semver(driver.cuda)},
-        STANDARD_PCI_BUS_ID: {"string": pci_bus_id(gpu.pci_bus_id)},
+        STANDARD_PCI_BUS_ID: {"string": short_bus_id(gpu.pci_bus_id)},
     }
     root = pcie_root(gpu.pci_bus_id)
     if root is not None:

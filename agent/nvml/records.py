@@ -9,6 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def short_bus_id(bus_id: str) -> str:
+    """NVML's bus id with its 8-digit domain ("00000000:18:00.0") in the 4-digit form sysfs and
+    resource.kubernetes.io/pciBusID use ("0000:18:00.0"), lower case."""
+    bdf = bus_id.lower()
+    domain, sep, rest = bdf.partition(":")
+    if sep and len(domain) == 8:
+        bdf = domain[4:] + ":" + rest
+    return bdf
+
+
 @dataclass(frozen=True)
 class DriverInfo:
     version: str

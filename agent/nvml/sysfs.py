@@ -9,22 +9,15 @@ import os
 import re
 from pathlib import Path
 
+from agent.nvml.records import short_bus_id
+
 PCI_DEVICES = Path("/sys/bus/pci/devices")
-
-
-def sysfs_bus_id(bus_id: str) -> str:
-    """NVML's busId carries an 8-digit domain ("00000000:17:00.0"); sysfs uses 4 digits ("0000:17:00.0")."""
-    bdf = bus_id.lower()
-    domain, sep, rest = bdf.partition(":")
-    if sep and len(domain) == 8:
-        bdf = domain[4:] + ":" + rest
-    return bdf
 
 
 def sysfs_numa_node(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
     """Linux NUMA node of a PCI device, or None when the platform reports none."""
     try:
-        value = int((root / sysfs_bus_id(bus_id) / "numa_node").read_text().strip())
+        value = int((root / short_bus_id(bus_id) / "numa_node").read_text().strip())
     except (OSError, ValueError):
         return None
     return value if value >= 0 else None
@@ -33,7 +26,7 @@ def sysfs_numa_node(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
 def sysfs_pci_class(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
     """The PCI class code of a device from sysfs (``class``, e.g. 0x030200), or None when unreadable."""
     try:
-        return int((root / sysfs_bus_id(bus_id) / "class").read_text().strip(), 16)
+        return int((root / short_bus_id(bus_id) / "class").read_text().strip(), 16)
     except (OSError, ValueError):
         return None
 
@@ -42,7 +35,7 @@ def sysfs_pcie_root(bus_id: str, sysfs: Path = Path("/sys")) -> str | None:
     """The PCIe root complex of a device as resource.kubernetes.io/pcieRoot names it ("pci0000:00"): the first
     directory under <sysfs>/devices on the way to the device; None when sysfs does not know the device."""
     try:
-        target = Path(os.path.realpath(sysfs / "bus" / "pci" / "devices" / sysfs_bus_id(bus_id), strict=True))
+        target = Path(os.path.realpath(sysfs / "bus" / "pci" / "devices" / short_bus_id(bus_id), strict=True))
         below = target.relative_to(Path(os.path.realpath(sysfs)) / "devices").parts
     except (OSError, ValueError):
         return None
