@@ -83,7 +83,9 @@ class ClaimStore:
         self._save()
 
     def remove(self, uid: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.spec_path(uid).unlink()
+        """The checkpoint forgets the claim before its CDI spec goes, so a spec gone means the claim is gone
+        from the checkpoint too; a crash in between leaves only the spec, which the kubelet's retry removes."""
         if self.claims.pop(uid, None) is not None:
             self._save()
+        with contextlib.suppress(FileNotFoundError):
+            self.spec_path(uid).unlink()
