@@ -17,7 +17,7 @@ from typing import Any
 
 from agent import logsink
 from agent.config import ConfigError, load_config
-from agent.kube.usage import START_JITTER_S
+from agent.kube.usage import START_JITTER_S, process_started
 from agent.nvml import MockStateError
 from agent.yamlfile import one_line
 
@@ -201,7 +201,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             try:
                 kube = await NodeApi.connect(args.kubeconfig, args.node_name, args.kube_api_qps,
-                                             int(args.kube_api_burst), args.kube_start_jitter)
+                                             int(args.kube_api_burst), args.kube_start_jitter,
+                                             since=process_started())
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
             from agent.kube.selfpod import NotTolerated, check_at_start
