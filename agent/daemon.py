@@ -31,6 +31,7 @@ from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
 from agent.locks import DirectoryLock, Held
 from agent.metrics import HttpEndpoint, Metrics
+from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
@@ -57,6 +58,9 @@ class AgentOptions:
     """The agent's own Node in the API server; None runs without one (--no-kube)."""
     config_path: Path | None = None
     """Where `config` came from; the agent reloads it on SIGHUP or when the file changes."""
+    mps_control: Control | None = None
+    """How the MPS control daemons are reached; None: the driver's nvidia-cuda-mps-control (`simulate` gives
+    its simulated daemon)."""
 
 
 class NvmlThread:

@@ -38,6 +38,23 @@ def test_simulate_json_shows_eight_gpus_for_dgx_h100() -> None:
     assert len({d["id"] for d in devices}) == 8
 
 
+def test_simulate_shows_what_nvidias_mps_example_gives_with_its_daemons_simulated() -> None:
+    """NVIDIA's MPS example (10 replicas) on a simulated DGX H100: the driver's MPS control daemons are simulated
+    too, so the node offers 80 nvidia.com/gpu, as the example's README says, and nothing is withheld."""
+    example = Path(__file__).parents[1] / "fixtures" / "nvidia" / "mps-10.yaml"
+    done = gpu_agent("simulate", "--node", "dgx-h100", "--config", str(example), "--json")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["node"]["capacity"] == {"nvidia.com/gpu": "80"}
+    assert view["node"]["allocatable"] == {"nvidia.com/gpu": "80"}
+    labels = view["node"]["labels"]
+    assert (labels["nvidia.com/gpu.sharing-strategy"], labels["nvidia.com/gpu.replicas"],
+            labels["nvidia.com/gpu.product"]) == ("mps", "10", "NVIDIA-H100-80GB-HBM3-SHARED")
+    assert view["events"] == []
+    devices = view["devices"]["nvidia.com/gpu"]
+    assert len(devices) == 80 and len({d["id"].split("::")[0] for d in devices}) == 8
+
+
 def test_simulate_text_looks_like_describe_node() -> None:
     done = gpu_agent("simulate", "--node", "pcie-l40s-4")
     assert done.returncode == 0, done.stderr
