@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import logsink
-from agent.config import ConfigError, load_config
+from agent.config import ConfigError, load_config, with_health_env
 from agent.kube.usage import START_JITTER_S, process_started
 from agent.nvml import MockStateError
 from agent.yamlfile import one_line
@@ -183,7 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from agent.daemon import AgentOptions, run_until_signal
 
     setup_logging(args.log_format)
-    config = load_config(args.config)
+    config, mapped = with_health_env(load_config(args.config), os.environ)
+    for line in mapped:
+        logging.getLogger("agent.config").info("%s", line)
     if not args.kubelet_dir.is_dir():
         raise CliError(f"kubelet directory {args.kubelet_dir} does not exist (set --kubelet-dir)")
     if not 0 <= args.metrics_port <= 65535:

@@ -140,6 +140,45 @@ async def test_sigterm_removes_the_socket_and_exits_zero() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+async def test_nvidias_health_variables_ignore_and_enable_xids_in_a_running_agent(tmp_path: Path) -> None:
+    """A DaemonSet moved over from NVIDIA's device plugin keeps its health variables: with
+    DP_DISABLE_HEALTHCHECKS=48 an XID 48 (double-bit ECC) leaves its GPU healthy, and with
+    DP_ENABLE_HEALTHCHECKS=13 an XID 13 (an application error, ignored by default) marks its GPU unhealthy."""
+    node = ["--nvml", "mock:dgx-h100", "--mock-state", str(tmp_path / "gpus.json")]
+    gpus = json.loads(gpu_agent("inspect", *node, "--json").stdout)["gpus"]
+    uuid = {g["index"]: g["uuid"] for g in gpus}
+    (tmp_path / "config.yaml").write_text("version: v1\nhealth:\n  sampleIntervalSeconds: 0.1\n")
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    env = {**os.environ, "DP_DISABLE_HEALTHCHECKS": "48", "DP_ENABLE_HEALTHCHECKS": " 13 "}
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", *node, "--kubelet-dir", str(directory), "--no-kube", "--metrics-port", "0",
+        "--config", str(tmp_path / "config.yaml"), stderr=asyncio.subprocess.PIPE, env=env)
+
+    def unhealthy() -> list[str]:
+        return sorted(d.ID for d in kubelet.plugins["nvidia.com/gpu"].devices if d.health != "Healthy")
+
+    try:
+        await kubelet.wait_for({"nvidia.com/gpu"}, 30)
+        assert unhealthy() == []
+        for gpu, xid in ((2, 48), (5, 13)):  # 48 first: by the time 13 shows, 48 would have
+            done = gpu_agent("fault", *node, "xid", str(gpu), str(xid))
+            assert done.returncode == 0, done.stderr
+        async with kubelet.changed, asyncio.timeout(15):
+            await kubelet.changed.wait_for(lambda: unhealthy() != [])
+        await asyncio.sleep(0.5)
+        assert unhealthy() == [uuid[5]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    log = stderr.decode()
+    assert "DP_DISABLE_HEALTHCHECKS=48: XIDs 48 ignored" in log
+    assert "DP_ENABLE_HEALTHCHECKS= 13 : XID 13 unhealthy" in log
+
+
 def test_output_into_a_closed_pipe_ends_quietly() -> None:
     shell = f"{sys.executable} -m agent.cli mig plan --nvml mock:hgx-16-nvswitch --layout all-1g.10gb | head -n 1"
     done = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=60)
