@@ -6,7 +6,7 @@ from __future__ import annotations
 from agent.config import parse_config
 from agent.inventory import mig_resource, mps_shared_gpus, plan, sanitise, sharing_conflicts
 from agent.state import DeviceHealth
-from tests.unit.test_inventory import node
+from tests.unit.test_inventory import counts, node
 
 MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
 TWO_1G = {0: [("1g.10gb", 0), ("1g.10gb", 1)]}
@@ -146,3 +146,15 @@ def test_asking_for_exactly_as_many_devices_as_there_are_is_no_warning() -> None
     config = ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
               "    - {name: nvidia.com/gpu, replicas: 2, devices: 8}\n")
     assert plan(node(config=config)).warnings == ()
+
+
+def test_profiles_with_a_suffix_are_resources_of_their_own() -> None:
+    """As NVIDIA's device plugin v0.20 (mixed strategy): 1g.24gb, 1g.24gb-me, 1g.24gb+gfx and 1g.24gb+me.all on
+    RTX PRO 6000 Blackwell are four resources, not one ('+' written '.')."""
+    state = node("pcie-rtx-pro-6000-8", config=MIXED, mig={
+        0: [("1g.24gb", 0), ("1g.24gb-me", 3), ("1g.24gb+gfx", 6), ("1g.24gb-me", 9)],
+        1: [("1g.24gb+me.all", 0), ("1g.24gb", 3)],
+    })
+    assert {name: n for name, n in counts(state).items() if name.startswith("nvidia.com/mig-")} == {
+        "nvidia.com/mig-1g.24gb": 2, "nvidia.com/mig-1g.24gb-me": 2, "nvidia.com/mig-1g.24gb.gfx": 1,
+        "nvidia.com/mig-1g.24gb.me.all": 1}
