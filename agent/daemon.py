@@ -180,7 +180,7 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
             idle = IdleAgent(footing, f"serving nothing: {err} (flags.failOnInitError is false)")
             log.error("%s", idle.reason)
             return idle
-        files = read_node_files()
+        files = read_node_files(state.inventory.imex_channels)
         for line in check_on_node(options.config, state, options.kubelet_dir, files):
             log.warning("%s", line)
         bus = StateBus(state)
