@@ -80,7 +80,7 @@ def node_clique(gpus: tuple[GpuInfo, ...]) -> NodeClique:
     for what, owners in (("cluster UUIDs", clusters), ("clique IDs", cliques)):
         if len(owners) > 1:
             listed = "; ".join(f"{value}: GPU {', '.join(map(str, idx))}" for value, idx in owners.items())
-            return NodeClique(problem=f"the fabric-attached GPUs do not share one of their {what} ({listed}); "
+            return NodeClique(problem=f"the fabric-attached GPUs have {len(owners)} {what} ({listed}), not one; "
                                       "the node has no clique")
     return NodeClique(value=attached[0][1].clique)
 

@@ -5,11 +5,13 @@ channel device nodes read from /dev."""
 from __future__ import annotations
 
 import ctypes
+import json
 from pathlib import Path
 
 import pynvml
 import pytest
 
+from agent.cli import main
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import NodeFileError, load_node, parse_node
@@ -163,3 +165,19 @@ def test_a_malformed_fabric_entry_is_one_line_naming_its_key_path() -> None:
         "node.yaml: imex_channels[1]: must be <= 2047, got 2048"]
     assert errors(node(fabric_gpu(), "imex_channels: [3, 0, 3]\n")) == [
         "node.yaml: imex_channels: lists channel 3 more than once"]
+
+
+def test_inspect_shows_each_gpus_fabric_the_clique_and_the_channels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--nvml", "mock:gb200-nvl72-tray", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["gpus"][3]["fabric"] == {"cluster_uuid": GB200_CLUSTER, "clique_id": 1, "state": "completed",
+                                         "status": 0, "attached": True}
+    assert (view["clique"], view["clique_problem"], view["imex_channels"]) == (f"{GB200_CLUSTER}.1", None, [0])
+    assert main(["inspect", "--nvml", "mock:gb200-nvl72-tray"]) == 0
+    text = capsys.readouterr().out
+    assert (f"  GPU 2: cluster {GB200_CLUSTER}  clique 1  completed  status 0  attached\n"
+            f"  GPU 3: cluster {GB200_CLUSTER}  clique 1  completed  status 0  attached\n"
+            f"  clique: {GB200_CLUSTER}.1\nIMEX channels: 0\n") in text
+    assert main(["inspect", "--nvml", "mock:dgx-h100", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert ([g["fabric"] for g in view["gpus"]], view["clique"], view["imex_channels"]) == ([None] * 8, None, [])

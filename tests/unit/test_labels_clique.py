@@ -73,10 +73,10 @@ def test_two_cluster_uuids_or_two_clique_ids_give_no_label_and_say_why() -> None
     assert CLIQUE not in labels(*clusters)
     assert CLIQUE not in labels(*cliques)
     assert node_clique(tuple(gpu(i, f) for i, f in enumerate(clusters))).problem == (
-        f"the fabric-attached GPUs do not share one of their cluster UUIDs ({CLUSTER}: GPU 0, 2; {OTHER}: GPU 1); "
+        f"the fabric-attached GPUs have 2 cluster UUIDs ({CLUSTER}: GPU 0, 2; {OTHER}: GPU 1), not one; "
         "the node has no clique")
     assert node_clique(tuple(gpu(i, f) for i, f in enumerate(cliques))).problem == (
-        "the fabric-attached GPUs do not share one of their clique IDs (1: GPU 0; 2: GPU 1); the node has no clique")
+        "the fabric-attached GPUs have 2 clique IDs (1: GPU 0; 2: GPU 1), not one; the node has no clique")
 
 
 def test_the_label_is_owned_so_a_clique_that_goes_away_is_removed() -> None:
@@ -111,5 +111,5 @@ async def test_a_node_of_two_cliques_warns_once_at_start(kubelet_dir: Path, capl
         finally:
             await agent.stop()
     assert [(r.name, r.getMessage()) for r in caplog.records if "clique" in r.getMessage()] == [
-        ("agent.labels", "nvidia.com/gpu.clique: the fabric-attached GPUs do not share one of their clique IDs "
-                         "(1: GPU 0, 2; 2: GPU 1, 3); the node has no clique")]
+        ("agent.labels", "nvidia.com/gpu.clique: the fabric-attached GPUs have 2 clique IDs "
+                         "(1: GPU 0, 2; 2: GPU 1, 3), not one; the node has no clique")]
