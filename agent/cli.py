@@ -235,10 +235,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def inspect_view(backend: Any) -> dict[str, Any]:
     from agent.nvml.backend import NvmlBackend
+    from agent.nvml.records import node_clique
     from agent.topology.prefer import topology_of
 
     def read(b: NvmlBackend) -> dict[str, Any]:
         inv = b.inventory()
+        clique = node_clique(inv.gpus)
         health = [b.health(g.index) for g in inv.gpus]
         topo = topology_of(inv)
         return {
@@ -250,9 +252,15 @@ def inspect_view(backend: Any) -> dict[str, Any]:
                     "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
                     "numa_node": g.numa_node, "mig_capable": g.mig_capable, "mig_enabled": g.mig_enabled,
                     "mig_pending": g.mig_pending,
+                    "fabric": None if g.fabric is None else {
+                        "cluster_uuid": g.fabric.cluster_uuid, "clique_id": g.fabric.clique_id,
+                        "state": g.fabric.state, "status": g.fabric.status, "attached": g.fabric.attached},
                 }
                 for g in inv.gpus
             ],
+            "clique": clique.value,
+            "clique_problem": clique.problem,
+            "imex_channels": list(inv.imex_channels),
             "links": [{"gpus": [link.a, link.b], "nvlink": link.nvlink, "pcie": link.pcie} for link in inv.links],
             "pair_scores": topo.pair_scores(),
             "mig_devices": [
@@ -297,6 +305,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{g['memory_mib']:>5} MiB {numa:>4}  {mig}")
     print()
     print(render_matrix(topo))
+    fabrics = [(g["index"], g["fabric"]) for g in view["gpus"] if g["fabric"] is not None]
+    if fabrics:
+        print()
+        print("NVLink fabric:")
+        for index, f in fabrics:
+            attached = "attached" if f["attached"] else "not attached"
+            print(f"  GPU {index}: cluster {f['cluster_uuid']}  clique {f['clique_id']}  {f['state']}  "
+                  f"status {f['status']}  {attached}")
+        print(f"  clique: {view['clique'] or view['clique_problem'] or 'none (no GPU attached)'}")
+    if view["imex_channels"]:
+        print(f"IMEX channels: {', '.join(map(str, view['imex_channels']))}")
     if view["mig_devices"]:
         print()
         print("MIG devices:")
