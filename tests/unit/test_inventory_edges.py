@@ -152,9 +152,11 @@ def test_profiles_with_a_suffix_are_resources_of_their_own() -> None:
     """As NVIDIA's device plugin v0.20 (mixed strategy): 1g.24gb, 1g.24gb-me, 1g.24gb+gfx and 1g.24gb+me.all on
     RTX PRO 6000 Blackwell are four resources, not one ('+' written '.')."""
     state = node("pcie-rtx-pro-6000-8", config=MIXED, mig={
-        0: [("1g.24gb", 0), ("1g.24gb-me", 3), ("1g.24gb+gfx", 6), ("1g.24gb-me", 9)],
-        1: [("1g.24gb+me.all", 0), ("1g.24gb", 3)],
+        0: [("1g.24gb", 0), ("1g.24gb", 3)],
+        1: [("1g.24gb-me", 0), ("1g.24gb-me", 3)],
+        2: [("1g.24gb+gfx", 0)],
+        3: [("1g.24gb+me.all", 0), ("1g.24gb-me", 3)],  # all media engines on one, none on the other
     })
     assert {name: n for name, n in counts(state).items() if name.startswith("nvidia.com/mig-")} == {
-        "nvidia.com/mig-1g.24gb": 2, "nvidia.com/mig-1g.24gb-me": 2, "nvidia.com/mig-1g.24gb.gfx": 1,
+        "nvidia.com/mig-1g.24gb": 2, "nvidia.com/mig-1g.24gb-me": 3, "nvidia.com/mig-1g.24gb.gfx": 1,
         "nvidia.com/mig-1g.24gb.me.all": 1}
