@@ -7,8 +7,9 @@ driver, its endpoint, the services it serves) and NotifyRegistrationStatus (on s
 checked again: the kubelet deletes a driver's slices when the driver registers). The DRA socket answers
 NodePrepareResources and NodeUnprepareResources for every claim the kubelet names, through prepare.py (which
 reads the claim, writes its CDI spec and records it in the checkpoint of claims.py before it is answered, so a
-restart in between loses nothing; both are idempotent). The same socket streams the health of every published
-or prepared device to the kubelet (NodeWatchResources, health.py).
+restart in between loses nothing; both are idempotent, and one claim's run one at a time). Before it serves,
+the plugin rolls back what a crash left half-done (Preparer.recover). The same socket streams the health of
+every published or prepared device to the kubelet (NodeWatchResources, health.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class DraKubeletPlugin:
         self.driver = driver
         self.node = node
         self._on_registered = on_registered
-        self.store = ClaimStore(paths, driver)
+        self.store = dynamic.store if dynamic is not None else ClaimStore(paths, driver)
+        """The claims' checkpoint; with dra.dynamicMig the one that records the MIG devices made for them."""
         self.health_stream = DeviceHealthStream(bus, node, self.store, dynamic)
         self.preparer = Preparer(self.store, driver, node, bus, claims, control_nodes, dev_root,
                                  self.health_stream.claims_changed, mig_minors, dynamic)
@@ -64,6 +66,7 @@ class DraKubeletPlugin:
         self.registration_error = ""
 
     async def start(self) -> None:
+        await self.preparer.recover()
         for socket in (self.paths.registration, self.paths.endpoint):
             socket.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -107,12 +110,10 @@ class DraKubeletPlugin:
     async def prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
         return await self.preparer.prepare(namespace, uid, name)
 
-    async def release(self, uid: str) -> None:
-        """Destroy the MIG devices made for claim `uid` (dra.dynamicMig); DynamicMigError when one cannot be."""
-        await self.preparer.release(uid)
-
-    def unprepare(self, uid: str) -> None:
-        self.preparer.unprepare(uid)
+    async def unprepare(self, uid: str) -> None:
+        """Destroy the MIG devices made for claim `uid` (dra.dynamicMig), forget the claim and remove its CDI
+        spec; DynamicMigError or OSError when that cannot be done."""
+        await self.preparer.unprepare(uid)
 
     def holders(self) -> list[DeviceHolder]:
         """The devices of the prepared claims as the MIG manager counts who holds a GPU."""
@@ -165,8 +166,7 @@ async def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     response = pb.NodeUnprepareResourcesResponse()
     for claim in claims:
         try:
-            await plugin.release(claim.uid)
-            plugin.unprepare(claim.uid)
+            await plugin.unprepare(claim.uid)
             response.claims[claim.uid].error = ""
         except (DynamicMigError, OSError) as err:
             response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -202,16 +203,16 @@ def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
 
 
 @pytest.mark.parametrize(("content", "problem"), [
-    ('{"version": 7, "claims": {}}', "{} is not a version 1 checkpoint"),
-    ('{"version": 1, "claims": []}', "{} is not a version 1 checkpoint"),
+    ('{"version": 7, "claims": {}}', "{} is version 7; this agent reads versions 1 and 2"),
+    ('{"version": 1, "claims": []}', "{} is damaged: no version and claims"),
     ('{"version": 1, "claims": {"u', "cannot read {}: not JSON (Unterminated string starting at: line 1 column 27 "
                                      "(char 26))"),
     (b'{"version": 1, "claims": {"\xff": {}}}', "cannot read {}: not UTF-8 text (byte 0xff at line 1)"),
     (None, "cannot read {}: is a FIFO, not a regular file"),
 ])
-def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: str | bytes | None,
-                                                     problem: str) -> None:
-    from agent.dra.claims import ClaimError, ClaimStore, Paths
+def test_a_damaged_checkpoint_is_kept_aside_in_one_line_and_the_agent_starts_with_no_claims(
+        tmp_path: Path, content: str | bytes | None, problem: str, caplog: pytest.LogCaptureFixture) -> None:
+    from agent.dra.claims import ClaimStore, Paths
 
     paths = Paths.under(tmp_path, DRIVER, tmp_path / "cdi")
     paths.checkpoint.parent.mkdir(parents=True)
@@ -221,9 +222,18 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: st
         paths.checkpoint.write_bytes(content)
     else:
         paths.checkpoint.write_text(content)
-    with pytest.raises(ClaimError) as err:
-        ClaimStore(paths, DRIVER)
-    assert str(err.value) == problem.format(f"the DRA checkpoint {paths.checkpoint}")
+    store = ClaimStore(paths, DRIVER)
+    assert store.claims == {}
+    kept = paths.checkpoint.parent / "checkpoint.json.corrupt"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("ERROR", (
+        f"{problem.format(f'the DRA checkpoint {paths.checkpoint}')}: kept as {kept}; starting with no prepared "
+        "claims, and removing no CDI spec or MIG device at start while that file is there (which claims own them "
+        "is unknown)"))]
+    assert not paths.checkpoint.exists()
+    if content is None:
+        assert stat.S_ISFIFO(kept.lstat().st_mode)
+    else:
+        assert kept.read_bytes() == (content if isinstance(content, bytes) else content.encode())
 
 
 @pytest.mark.parametrize(("brand", "published"), [(13, "NvidiaRTX"), (2, "Tesla"), (0, "Unknown"), (99, None)])
@@ -375,7 +385,7 @@ async def test_the_health_stream_has_prepared_devices_the_node_lost_as_unknown_a
     lost = await report()
     assert lost == [*whole, ("n", name, health.UNKNOWN)]
     assert await report() == lost  # nothing changed: the list again, for the kubelet's health timeout
-    plugin.unprepare("u1")
+    await plugin.unprepare("u1")
     assert await report() == whole
     await stream.aclose()
 
