@@ -38,6 +38,7 @@ from agent.dra.slices import (
     published_migs,
     slice_name,
     slice_spec,
+    split_slice,
 )
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.catalog import MODELS, MigProfile, Placement
@@ -53,6 +54,8 @@ NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 SPLIT_FROM = (1, 35)
 """The first Kubernetes version whose API server takes counters only in a slice without devices."""
 UNDECIDED, COUNTERS, STATIC = "undecided", "counters", "static"
+MAX_COUNTER_SETS = 8
+"""The most counter sets a ResourceSlice takes from 1.35 (ResourceSliceMaxCounterSets)."""
 
 
 # --- the slice shape (pure) ------------------------------------------------------------------------------
@@ -181,9 +184,13 @@ def dynamic_slices(state: NodeState, node: str, driver: str, generation: int, sp
     base["devices"] = [d for d in base["devices"] if d["name"] not in static_migs]
     cliques = nvlink_cliques(topology_of(state.inventory))
     name = slice_name(node, driver)
-    slices: list[tuple[str, dict[str, Any]]] = [(name, base)]
-    if split and gpus:
-        slices.append((f"{name}-counters", {"sharedCounters": [counter_set(g, p) for g, p in gpus]}))
+    slices = split_slice(name, base)  # the base slice at the API's limits, as without dynamicMig
+    base_count = len(slices)
+    if split and gpus:  # at most MAX_COUNTER_SETS a slice
+        sets = [counter_set(g, p) for g, p in gpus]
+        for n in range(0, len(sets), MAX_COUNTER_SETS):
+            suffix = "" if n == 0 else f"-{n // MAX_COUNTER_SETS}"
+            slices.append((f"{name}-counters{suffix}", {"sharedCounters": sets[n:n + MAX_COUNTER_SETS]}))
     for gpu, listed in gpus:
         devices = [placement_device(PlacementDevice(gpu, profile, placement), state, cliques, pcie_root)
                    for profile in listed for placement in profile.placements]
@@ -194,7 +201,7 @@ def dynamic_slices(state: NodeState, node: str, driver: str, generation: int, sp
         if not split:
             spec = {"sharedCounters": [counter_set(gpu, listed)], **spec}
         slices.append((f"{name}-gpu-{gpu.index}", spec))
-    for _, spec in slices[1:]:
+    for _, spec in slices[base_count:]:
         spec.update({"driver": driver, "nodeName": node,
                      "pool": {"name": node, "generation": generation, "resourceSliceCount": 0}})
     for _, spec in slices:
@@ -343,7 +350,12 @@ class DynamicMig:
         async with self._lock:
             owned = {(int(r["gpu"]), int(r["start"])) for r in self.made.values()}
             for gpu, _ in dynamic_gpus(state, self.profiles_of, taints=True):
-                found = await self._nvml(functools.partial(self._ops.state, gpu.index))
+                try:
+                    found = await self._nvml(functools.partial(self._ops.state, gpu.index))
+                except MigCallError as err:
+                    log.warning("cannot list the MIG devices of GPU %d to destroy those no prepared claim owns: %s",
+                                gpu.index, err)
+                    continue
                 for instance in found.instances:
                     if (gpu.index, instance.start) in owned:
                         continue
@@ -377,7 +389,6 @@ class DynamicSlicePublisher(SlicePublisher):
         self.dynamic = dynamic
         self.counters_mode = UNDECIDED
         self.split: bool | None = None
-        self._slices_written: tuple[object, object] | None = None
 
     async def _decide_split(self) -> bool:
         if self.split is None:
@@ -397,9 +408,9 @@ class DynamicSlicePublisher(SlicePublisher):
             await self.dynamic.load_profiles(state)
         wanted = dynamic_slices(state, self.node, self.driver, 0, split, self.dynamic.profiles_of,
                                 self._pcie_root)
-        if len(wanted) == 1 and self.counters_mode == UNDECIDED:
+        if self.counters_mode == UNDECIDED and not any(s.get("sharedCounters") for _, s in wanted):
             return await super().sync(state)  # no GPU in MIG mode (yet): nothing to decide
-        existing = {(s.get("metadata") or {}).get("name"): s for s in await self._api.list(self.node, self.driver)}
+        existing = await self._listed()
         if self.counters_mode == UNDECIDED:
             name, spec = next((n, s) for n, s in wanted if s.get("sharedCounters"))
             body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
@@ -418,26 +429,4 @@ class DynamicSlicePublisher(SlicePublisher):
             self.counters_mode = COUNTERS
             self.dynamic.active = True
             await self.dynamic.sweep(state)
-        specs = [(n, copy.deepcopy(s)) for n, s in wanted]
-        versions = tuple(sorted((n, (s.get("metadata") or {}).get("resourceVersion")) for n, s in existing.items()))
-        if self._slices_written == (versions, specs):
-            return False
-        stored_generation = max((int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0)
-                                 for s in existing.values()), default=0)
-        generation = max(self.generation, stored_generation) + 1
-        written_versions = []
-        for name, spec in wanted:
-            spec["pool"]["generation"] = generation
-            meta = (existing[name].get("metadata") or {}) if name in existing else {"name": name}
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
-            written = await (self._api.replace(name, body) if name in existing else self._api.create(body))
-            written_versions.append((name, (written.get("metadata") or {}).get("resourceVersion")))
-        for stale in set(existing) - {n for n, _ in wanted}:
-            if stale:
-                log.info("deleting stale ResourceSlice %s of driver %s", stale, self.driver)
-                await self._api.delete(stale)
-        self.generation = generation
-        self._slices_written = (tuple(sorted(written_versions)), specs)
-        log.info("published %d ResourceSlice(s) of pool %s: %d device(s), pool generation %d", len(wanted),
-                 self.node, sum(len(s.get("devices") or []) for _, s in wanted), generation)
-        return True
+        return await self._write_slices(wanted, existing)

@@ -410,3 +410,21 @@ def test_rtx_pro_6000_counts_its_twelve_placement_units_and_keeps_every_profile_
     half = devices_of(gpu0)["gpu-0-mig-2g48gbmeall-6"]
     assert consumed(half) == {**{f"memory-slice-{n}": "1" for n in range(6, 12)}, "instances-2g48gbmeall": "1"}
     assert half["capacity"]["memory"] == {"value": "48512Mi"} and half["capacity"]["decoders"] == {"value": "4"}
+
+
+def test_a_node_of_sixteen_mig_gpus_has_its_counter_sets_in_slices_of_eight() -> None:
+    fake = FakeNvml(load_node("hgx-16-nvswitch"))
+    for gpu in range(16):
+        carve_mig(fake, gpu, [])
+    backend = fake_backend(fake)
+    backend.init()
+    config = parse_config("version: v1\ndra: {enabled: true, dynamicMig: true}\n")
+    state = NodeState(version=1, inventory=backend.inventory(), config=config)
+    found = dynamic_slices(state, "n", DRIVER, 1, split=True)
+    names = [name for name, _ in found]
+    assert names == [MAIN, f"{MAIN}-counters", f"{MAIN}-counters-1", *(f"{MAIN}-gpu-{i}" for i in range(16))]
+    sets = {name: [c["name"] for c in spec["sharedCounters"]] for name, spec in found if "counters" in name}
+    assert sets == {f"{MAIN}-counters": [f"gpu-{i}-counter-set" for i in range(8)],
+                    f"{MAIN}-counters-1": [f"gpu-{i}-counter-set" for i in range(8, 16)]}
+    assert {spec["pool"]["resourceSliceCount"] for _, spec in found} == {19}
+    assert max(len(spec.get("devices") or []) for _, spec in found) <= 64

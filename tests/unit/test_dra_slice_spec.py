@@ -462,3 +462,73 @@ def test_memory_is_written_in_the_api_servers_canonical_form() -> None:
 
     assert [mib_quantity(m) for m in (81920, 81559, 40448, 1024, 1048576, 1536, 0)] == [
         "80Gi", "81559Mi", "40448Mi", "1Gi", "1Ti", "1536Mi", "0"]
+
+
+def shared(preset: str, replicas: int) -> NodeState:
+    """Every GPU of `preset` time-sliced into `replicas` replicas."""
+    state = node(preset)
+    config = parse_config("version: v1\nsharing: {timeSlicing: {resources: "
+                          f"[{{name: nvidia.com/gpu, replicas: {replicas}}}]}}}}\n")
+    return NodeState(version=1, inventory=state.inventory, config=config)
+
+
+def sizes(slices: list[tuple[str, dict[str, object]]]) -> list[tuple[str, int, int, str, str]]:
+    """Per slice: its name, its device count, resourceSliceCount, its first and last device."""
+    return [(name, len(spec["devices"]), spec["pool"]["resourceSliceCount"],  # type: ignore[arg-type, index]
+             spec["devices"][0]["name"], spec["devices"][-1]["name"])  # type: ignore[index]
+            for name, spec in slices]
+
+
+def test_a_node_with_more_devices_than_a_slice_takes_is_published_in_several() -> None:
+    from agent.dra.slices import pool_slices
+
+    main = "n-gpu.gpu-node-agent.io"
+    # 8 GPUs x 17 replicas: 136 devices, 128 a slice.
+    state = shared("dgx-h100", 17)
+    assert sizes(pool_slices(state, "n", DRIVER, 1)) == [
+        (main, 128, 2, "gpu-0-replica-0", "gpu-7-replica-8"),
+        (f"{main}-1", 8, 2, "gpu-7-replica-9", "gpu-7-replica-16")]
+    # A device with a taint: 64 a slice.
+    sick = state.evolve(health={state.inventory.gpus[5].uuid: DeviceHealth(False, "XID 48")})
+    assert sizes(pool_slices(sick, "n", DRIVER, 1, taints=True)) == [
+        (main, 64, 3, "gpu-0-replica-0", "gpu-3-replica-12"),
+        (f"{main}-1", 64, 3, "gpu-3-replica-13", "gpu-7-replica-8"),
+        (f"{main}-2", 8, 3, "gpu-7-replica-9", "gpu-7-replica-16")]
+    # 16 GPUs x 64 replicas: 1024 devices in 8 slices.
+    big = pool_slices(shared("hgx-16-nvswitch", 64), "n", DRIVER, 1)
+    assert [(n, c, k) for n, c, k, _, _ in sizes(big)] == [
+        (main if i == 0 else f"{main}-{i}", 128, 8) for i in range(8)]
+    assert all(spec["pool"] == {"name": "n", "generation": 1, "resourceSliceCount": 8} for _, spec in big)
+    # 8 GPUs x 16 replicas fit one slice, as before.
+    assert sizes(pool_slices(shared("dgx-h100", 16), "n", DRIVER, 1)) == [
+        (main, 128, 1, "gpu-0-replica-0", "gpu-7-replica-15")]
+
+
+async def test_the_publisher_writes_every_slice_of_the_pool_with_one_generation_and_follows_changes() -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    main = "n-gpu.gpu-node-agent.io"
+    state = shared("dgx-h100", 17)
+    api = StoredSlices(keeps_taints=True)
+    publisher = SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None)
+    assert await publisher.sync(state)
+    assert api.writes == [("create", False), ("create", False)]
+
+    def pool() -> dict[str, tuple[int, int, int]]:
+        return {name: (len(s["spec"]["devices"]), s["spec"]["pool"]["generation"],  # type: ignore[index]
+                       s["spec"]["pool"]["resourceSliceCount"]) for name, s in api.stored.items()}  # type: ignore[index]
+
+    assert pool() == {main: (128, 1, 2), f"{main}-1": (8, 1, 2)}
+    assert not await publisher.sync(state)  # unchanged: nothing written
+    assert len(api.writes) == 2
+    # A restarted agent finds its slices as it left them: nothing written.
+    again = SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None)
+    assert not await again.sync(state)
+    assert len(api.writes) == 2
+    # Fewer replicas: one slice again, the other deleted.
+    fewer = shared("dgx-h100", 2)
+    assert await again.sync(fewer)
+    assert pool() == {main: (16, 2, 1)}
+    # And more again: two slices, the next generation.
+    assert await again.sync(state)
+    assert pool() == {main: (128, 3, 2), f"{main}-1": (8, 3, 2)}
