@@ -410,12 +410,12 @@ class DynamicSlicePublisher(SlicePublisher):
                                 self._pcie_root)
         if self.counters_mode == UNDECIDED and not any(s.get("sharedCounters") for _, s in wanted):
             return await super().sync(state)  # no GPU in MIG mode (yet): nothing to decide
+        await self._read_owner()
         existing = await self._listed()
         if self.counters_mode == UNDECIDED:
             name, spec = next((n, s) for n, s in wanted if s.get("sharedCounters"))
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                    "metadata": (existing[name].get("metadata") if name in existing else {"name": name}),
-                    "spec": {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}}}
+            body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
+                              existing.get(name))
             stored = await (self._api.replace(name, body, dry_run=True) if name in existing
                             else self._api.create(body, dry_run=True))
             if not (stored.get("spec") or {}).get("sharedCounters"):

@@ -92,6 +92,11 @@ class SliceApi:
             if err.status != 404:
                 raise
 
+    async def node_uid(self, node: str) -> str:
+        """The UID of Node `node` (the slices' owner)."""
+        found: dict[str, Any] = await self._request("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+        return str((found.get("metadata") or {}).get("uid") or "")
+
     async def version(self) -> dict[str, Any]:
         """The API server's version (GET /version: gitVersion, major, minor)."""
         found: dict[str, Any] = await self._request("GET", "/version")
@@ -145,6 +150,9 @@ class SlicePublisher:
         self.health_mode = UNDECIDED
         """How unhealthy devices are published: UNDECIDED until one was, then TAINTS where the API server
         kept their device taints, WITHDRAWAL (for the rest of the agent's run) where it dropped them."""
+        self._owner: list[dict[str, Any]] | None = None
+        """The slices' ownerReferences: the Node (read once; [] where the client cannot read it), so that the
+        Node's deletion deletes them."""
         self._slices_written: tuple[object, object] | None = None
         """With several slices: their names and resourceVersions after this agent's last write, and the specs
         it wrote."""
@@ -163,6 +171,7 @@ class SlicePublisher:
         """Make the slice match `state`; returns whether anything was written. Only a check (`verify`: the first
         sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
         wrote, and a state whose devices are the same costs no request."""
+        await self._read_owner()
         wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
                              taints=self.health_mode != WITHDRAWAL)
         if len(wanted) > 1:  # more devices than one slice takes
@@ -200,7 +209,7 @@ class SlicePublisher:
                 have, listed = listed or None, None  # a second pass reads it again
             else:
                 have = await self._api.get(self.name) if read else self._stored
-            body: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "spec": wanted}
+            body = self._body(self.name, wanted, have)
             if have is not None:
                 meta = have.get("metadata") or {}
                 if self._written == (meta.get("resourceVersion"), devices):
@@ -208,7 +217,8 @@ class SlicePublisher:
                 stored_spec = have.get("spec") or {}
                 stored = int((stored_spec.get("pool") or {}).get("generation") or 0)
                 _keep_taint_times(wanted["devices"], stored_spec.get("devices") or [])
-                if _same_but_generation(wanted, stored_spec) and (not tainted or self._keeps_taints(tainted, have)):
+                if (_same_but_generation(wanted, stored_spec) and self._owned(have)
+                        and (not tainted or self._keeps_taints(tainted, have))):
                     # What the API server has is what this agent wants (a restarted agent finds the slice it
                     # wrote before): taken as written, with no write.
                     self.generation = stored
@@ -216,10 +226,8 @@ class SlicePublisher:
                     self._written = (meta.get("resourceVersion"), devices)
                     return False
                 generation = max(self.generation, stored) + 1
-                body["metadata"] = meta
             else:
                 generation = self.generation + 1
-                body["metadata"] = {"name": self.name}
             wanted["pool"]["generation"] = generation
             # The first taint goes in a dry run: the API server answers what it would store, so no write
             # publishes an unhealthy device without its taint.
@@ -242,6 +250,25 @@ class SlicePublisher:
                 continue  # the API server stopped keeping them (restarted with the gate off)
             return True
 
+    async def _read_owner(self) -> None:
+        if self._owner is None:
+            uid_of = getattr(self._api, "node_uid", None)
+            uid = await uid_of(self.node) if uid_of is not None else ""
+            self._owner = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid,
+                            "controller": True}] if uid else []
+
+    def _owned(self, stored: dict[str, Any]) -> bool:
+        """Whether a stored slice has the owner this agent gives its slices."""
+        return not self._owner or (stored.get("metadata") or {}).get("ownerReferences") == self._owner
+
+    def _body(self, name: str, spec: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+        """A ResourceSlice to write: with the stored slice's metadata (its resourceVersion makes the write
+        conditional) where there is one, owned by the Node."""
+        meta = dict(stored.get("metadata") or {}) if stored is not None else {"name": name}
+        if self._owner:
+            meta["ownerReferences"] = self._owner
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
+
     async def _send(self, exists: bool, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         if exists:
             return await self._api.replace(body["metadata"]["name"], body, dry_run=dry_run)
@@ -257,8 +284,8 @@ class SlicePublisher:
             tainted = [(n, s) for n, s in wanted if any(d.get("taints") for d in s["devices"])]
             if tainted and self.health_mode == UNDECIDED:
                 name, spec = tainted[0]
-                body = _slice_body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
-                                   existing.get(name))
+                body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
+                                  existing.get(name))
                 stored = await self._send(name in existing, body, dry_run=True)
                 if not self._keeps_taints({d["name"] for d in spec["devices"] if d.get("taints")}, stored):
                     continue
@@ -285,7 +312,8 @@ class SlicePublisher:
                        for s in existing.values()}
         stored_generation = max(generations, default=0)
         if (set(existing) == {n for n, _ in wanted} and len(generations) == 1
-                and all(_same_but_generation(spec, existing[n].get("spec") or {}) for n, spec in wanted)):
+                and all(_same_but_generation(spec, existing[n].get("spec") or {}) and self._owned(existing[n])
+                        for n, spec in wanted)):
             self.generation = stored_generation
             self._slices_written = (versions, specs)
             return False
@@ -293,7 +321,7 @@ class SlicePublisher:
         written_versions = []
         for name, spec in wanted:
             spec["pool"]["generation"] = generation
-            written = await self._send(name in existing, _slice_body(name, spec, existing.get(name)))
+            written = await self._send(name in existing, self._body(name, spec, existing.get(name)))
             written_versions.append((name, (written.get("metadata") or {}).get("resourceVersion")))
         for stale in sorted(set(existing) - {n for n, _ in wanted}):
             log.info("deleting stale ResourceSlice %s of driver %s", stale, self.driver)
@@ -360,13 +388,6 @@ class SlicePublisher:
                 self.verify = True  # a republish, or the time for a check
             if self._bus.current.version != state.version:
                 self.published.clear()
-
-
-def _slice_body(name: str, spec: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
-    """A ResourceSlice to write: with the stored slice's metadata (its resourceVersion makes the write
-    conditional) where there is one."""
-    meta = (stored.get("metadata") or {}) if stored is not None else {"name": name}
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
 
 
 def _same_but_generation(wanted: dict[str, Any], stored: dict[str, Any]) -> bool:

@@ -532,3 +532,33 @@ async def test_the_publisher_writes_every_slice_of_the_pool_with_one_generation_
     # And more again: two slices, the next generation.
     assert await again.sync(state)
     assert pool() == {main: (128, 3, 2), f"{main}-1": (8, 3, 2)}
+
+
+class NodeSlices(StoredSlices):
+    """StoredSlices of an API server that has the Node (its UID "node-uid-1")."""
+
+    async def node_uid(self, node: str) -> str:
+        return "node-uid-1"
+
+
+async def test_the_slices_are_owned_by_their_node() -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    owner = [{"apiVersion": "v1", "kind": "Node", "name": "n", "uid": "node-uid-1", "controller": True}]
+    for state, names in ((node("a100-pcie-nvlink-pairs"), ["n-gpu.gpu-node-agent.io"]),
+                         (shared("dgx-h100", 17), ["n-gpu.gpu-node-agent.io", "n-gpu.gpu-node-agent.io-1"])):
+        # Written by an agent that gave no owner: written again, with the owner.
+        plain = StoredSlices(keeps_taints=True)
+        assert await SlicePublisher(plain, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert [s["metadata"].get("ownerReferences") for s in plain.stored.values()] == [  # type: ignore[attr-defined]
+            None] * len(names)
+        api = NodeSlices(keeps_taints=True)
+        api.stored, api.version = copy.deepcopy(plain.stored), plain.version
+        assert await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert sorted(api.stored) == names
+        assert [s["metadata"].get("ownerReferences") for s in api.stored.values()] == [  # type: ignore[attr-defined]
+            owner] * len(names)
+        # A restart finds them owned: nothing written.
+        writes = len(api.writes)
+        assert not await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert len(api.writes) == writes
