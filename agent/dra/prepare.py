@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from agent.dra.slices import mig_device_name, replica_name, shared_gpus
 from agent.mps_client import mps_client
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
+
+REPLICA = re.compile(r"^(gpu-\d+)-replica-\d+$")
+"""A replica's device name (slices.replica_name), its GPU's device name first."""
 
 log = logging.getLogger("agent.dra.plugin")
 """The plugin's lines keep the logger name they have always had."""
@@ -134,29 +138,29 @@ class Preparer:
         """Refuse devices another claim holds (prepared or being prepared): the same device, or another name of
         the same GPU (a whole GPU and a replica of it, after a change of the sharing config). Replicas of one
         GPU are its shares, and a device allocated with a share ID (consumable capacity) is shared by design."""
-        replicas = self._replicas()
+        def gpu_uuid(device: str) -> str:
+            """The GPU or MIG UUID of a device name, a replica's by its GPU even where the sharing config that
+            made it is gone."""
+            found = REPLICA.match(device)
+            return known.get(found.group(1) if found else device, ("", []))[0]
+
         for other, entry in self._store.claims.items():
             if other == uid:
                 continue
             for held in entry["devices"]:
                 theirs = str(held["device"])
-                their_uuid = known.get(theirs, ("", []))[0]
+                their_uuid = gpu_uuid(theirs)
                 for device in devices:
                     if device == theirs:
                         if device in shares:
                             continue
-                    elif not (their_uuid and known[device][0] == their_uuid) or (
-                            device in replicas and theirs in replicas):
+                    elif not (their_uuid and gpu_uuid(device) == their_uuid) or (
+                            REPLICA.match(device) and REPLICA.match(theirs)):
                         continue
                     same = "" if device == theirs else f" (as {theirs}, the same GPU)"
                     raise ClaimError(f"{where}: device {device} is already prepared for claim "
                                      f"{entry['namespace']}/{entry['name']} ({other}){same}; it is given to one "
                                      "claim at a time")
-
-    def _replicas(self) -> set[str]:
-        state = self._bus.current
-        shared = shared_gpus(state)
-        return {replica_name(g, n) for g in state.inventory.gpus for n in range(shared.get(g.uuid, 0))}
 
     async def _roll_back(self, uid: str) -> None:
         """Undo a prepare that did not complete: its MIG devices destroyed, the claim forgotten, its CDI spec

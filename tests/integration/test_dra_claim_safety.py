@@ -248,6 +248,15 @@ async def test_replicas_of_one_gpu_go_to_two_claims_but_not_one_replica_nor_the_
         assert answer.claims["uid-a"].error == (
             f"claim {NS}/a: device gpu-0-replica-0 is already prepared for claim {NS}/whole (uid-w) (as gpu-0, the "
             "same GPU); it is given to one claim at a time")
+        # And the other way round: a replica prepared, then the sharing config goes and GPU 0 is allocated whole.
+        await stub.NodeUnprepareResources(unprepare_request(("whole", "uid-w")), timeout=10)
+        assert (await stub.NodePrepareResources(prepare_request(("b", "uid-b")), timeout=10)
+                ).claims["uid-b"].error == ""
+        await node.bus.update(config=parse_config("version: v1\n"))
+        answer = await stub.NodePrepareResources(prepare_request(("whole", "uid-w")), timeout=10)
+        assert answer.claims["uid-w"].error == (
+            f"claim {NS}/whole: device gpu-0 is already prepared for claim {NS}/b (uid-b) (as gpu-0-replica-1, the "
+            "same GPU); it is given to one claim at a time")
     node.close()
 
 
