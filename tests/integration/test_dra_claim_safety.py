@@ -260,6 +260,31 @@ async def test_replicas_of_one_gpu_go_to_two_claims_but_not_one_replica_nor_the_
     node.close()
 
 
+async def test_a_claim_that_fails_the_same_way_on_every_retry_is_said_once_and_its_success_once(
+        directory: Path, caplog: pytest.LogCaptureFixture) -> None:
+    node = Node(directory)
+    caplog.set_level(logging.INFO, "agent.dra")
+    async with node.serving() as (_, stub):
+        node.api.claims[(NS, "late")] = {"metadata": {"namespace": NS, "name": "late", "uid": "uid-l"},
+                                         "status": {}}
+        for _ in range(3):  # the kubelet's retries
+            answer = await stub.NodePrepareResources(prepare_request(("late", "uid-l")), timeout=10)
+            assert answer.claims["uid-l"].error == f"claim {NS}/late: not allocated"
+        node.api.claims.pop((NS, "late"))
+        answer = await stub.NodePrepareResources(prepare_request(("late", "uid-l")), timeout=10)
+        assert answer.claims["uid-l"].error == f"claim {NS}/late: not found"
+        node.api.allocate("late", "uid-l", ["gpu-2"])
+        answer = await stub.NodePrepareResources(prepare_request(("late", "uid-l")), timeout=10)
+        assert answer.claims["uid-l"].error == ""
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "agent.dra.plugin"
+            and "late" in r.getMessage()] == [
+        ("WARNING", f"cannot prepare claim {NS}/late (uid-l): claim {NS}/late: not allocated"),
+        ("WARNING", f"cannot prepare claim {NS}/late (uid-l): claim {NS}/late: not found"),
+        ("INFO", f"prepared claim {NS}/late (uid-l): gpu-2"),
+        ("INFO", f"prepared claim {NS}/late (uid-l) after 4 failed attempt(s)")]
+    node.close()
+
+
 # --- the checkpoint ------------------------------------------------------------------------------------------
 
 
