@@ -41,6 +41,7 @@ from dra_rig import (
     setup_cluster,
     slices_of,
 )
+from kubernetes import client as k8s
 
 from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
@@ -170,6 +171,10 @@ def agent(rig: GatedApiServer) -> Iterator[Agent]:
             found.proc.wait(30)
         remove_workloads(rig)
         delete_node(rig, NODE)
+        custom = k8s.CustomObjectsApi(rig.admin_client())
+        for found_slice in slices_of(rig, NODE):  # no garbage collector runs here to follow the owner
+            custom.delete_cluster_custom_object("resource.k8s.io", "v1", "resourceslices",
+                                                found_slice["metadata"]["name"])
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -182,7 +187,7 @@ def published(server: GatedApiServer) -> bool:
 def test_an_agent_killed_in_a_prepare_rolls_it_back_at_start_and_the_retry_prepares_it(
         rig: GatedApiServer, agent: Agent, crash_after: int, left: list[tuple[int, int, int]]) -> None:
     agent.start(crash_after=crash_after)
-    agent.wait_for("agent started:")
+    agent.wait_for("the API server keeps shared counters")
     wait_until(lambda: published(rig), 60, "the placements published")
     expression = (f"device.attributes['{DRIVER}'].profile == '3g.40gb' && "
                   f"device.attributes['{DRIVER}'].placementStart == 4")
@@ -224,7 +229,7 @@ def test_an_agent_killed_in_an_unprepare_finishes_it_on_the_retry(
         rig: GatedApiServer, agent: Agent, crash_after: int) -> None:
     # The prepare makes the GPU and the compute instance (changes 1 and 2); the unprepare destroys them (3, 4).
     agent.start(crash_after=crash_after)
-    agent.wait_for("agent started:")
+    agent.wait_for("the API server keeps shared counters")
     wait_until(lambda: published(rig), 60, "the placements published")
     create_claim(rig, "crash", {"devices": {"requests": [{"name": "mig", "exactly": {
         "deviceClassName": MIG_CLASS, "selectors": [{"cel": {
