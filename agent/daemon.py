@@ -222,8 +222,8 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
         logging.getLogger("agent.dra.publisher").warning(
             "DRA mode: no API server client; no ResourceSlice is published")
         return None
-    from agent.dra.claims import ClaimError, Paths
-    from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher, state_file
+    from agent.dra.claims import ClaimError, ClaimStore, Paths
+    from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher
     from agent.dra.plugin import DraKubeletPlugin
     from agent.dra.publisher import PublisherClass, SlicePublisher, slice_api
 
@@ -232,8 +232,8 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     dynamic: DynamicMig | None = None
     try:
         make: PublisherClass = SlicePublisher
-        if dra.dynamic_mig:  # its checkpoint next to the DRA checkpoint
-            dynamic = DynamicMig(footing.backend, footing.nvml, state_file(paths.checkpoint))
+        if dra.dynamic_mig:  # its MIG devices recorded with their claims in the DRA checkpoint
+            dynamic = DynamicMig(footing.backend, footing.nvml, ClaimStore(paths, dra.driver_name))
             make = functools.partial(DynamicSlicePublisher, dynamic=dynamic)
         shared = slice_api(options.kube)
         if shared is None:

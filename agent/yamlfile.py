@@ -4,7 +4,6 @@ library turned into one line, so no input can crash a parser; and writes the age
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import reprlib
 import stat
@@ -317,7 +316,8 @@ def load_yaml(text: str) -> Any:
 
 def write_atomically(path: Path, text: str) -> None:
     """Replace `path` with `text` so that a reader, or the agent after a crash, sees the old file or the new one,
-    never a part: written to a temporary file beside it, flushed to disk, then renamed over it."""
+    never a part: written to a temporary file beside it, flushed to disk, renamed over it, and the directory
+    flushed too, so that the rename itself survives a power loss."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -330,29 +330,13 @@ def write_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    sync_directory(path.parent)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint the agent wrote cannot be read back; the message is one line naming the file."""
-
-
-def read_checkpoint(path: Path, what: str, key: str, version: int) -> dict[str, Any]:
-    """The `key` mapping of a versioned JSON checkpoint written by write_checkpoint: {} before the first write,
-    CheckpointError (`what` names the checkpoint, e.g. "the DRA checkpoint") when it cannot be used."""
+def sync_directory(directory: Path) -> None:
+    """Flush a directory's entries to disk (after a rename or an unlink in it)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        data = json.loads(read_text_file(path))
-    except InputFileError as err:
-        if err.reason == "no such file":
-            return {}
-        raise CheckpointError(f"cannot read {what} {path}: {err.reason}") from None
-    except ValueError as err:
-        raise CheckpointError(f"cannot read {what} {path}: not JSON ({err})") from None
-    if not isinstance(data, dict) or data.get("version") != version or not isinstance(data.get(key), dict):
-        raise CheckpointError(f"{what} {path} is not a version {version} checkpoint")
-    entries: dict[str, Any] = data[key]
-    return entries
-
-
-def write_checkpoint(path: Path, key: str, version: int, entries: dict[str, Any]) -> None:
-    """Replace the checkpoint at `path` (atomically) with `entries` under `key`, marked with `version`."""
-    write_atomically(path, json.dumps({"version": version, key: entries}, sort_keys=True))
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -23,9 +23,9 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.dra.claims import ClaimStore
 from agent.dra.publisher import SliceClient, SlicePublisher
 from agent.dra.slices import (
     GpuInfo,
@@ -38,13 +38,13 @@ from agent.dra.slices import (
     published_migs,
     slice_name,
     slice_spec,
+    split_slice,
 )
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.catalog import MODELS, MigProfile, Placement
-from agent.nvml.mig_ops import MigCallError, MigOps
+from agent.nvml.mig_ops import GpuInstanceInfo, MigCallError, MigOps
 from agent.state import NodeState, StateBus
 from agent.topology.prefer import topology_of
-from agent.yamlfile import CheckpointError, read_checkpoint, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 SPLIT_FROM = (1, 35)
 """The first Kubernetes version whose API server takes counters only in a slice without devices."""
 UNDECIDED, COUNTERS, STATIC = "undecided", "counters", "static"
-STATE_FILE = "dynamic-mig.json"
-STATE_VERSION = 1
+MAX_COUNTER_SETS = 8
+"""The most counter sets a ResourceSlice takes from 1.35 (ResourceSliceMaxCounterSets)."""
 
 
 # --- the slice shape (pure) ------------------------------------------------------------------------------
@@ -184,9 +184,13 @@ def dynamic_slices(state: NodeState, node: str, driver: str, generation: int, sp
     base["devices"] = [d for d in base["devices"] if d["name"] not in static_migs]
     cliques = nvlink_cliques(topology_of(state.inventory))
     name = slice_name(node, driver)
-    slices: list[tuple[str, dict[str, Any]]] = [(name, base)]
-    if split and gpus:
-        slices.append((f"{name}-counters", {"sharedCounters": [counter_set(g, p) for g, p in gpus]}))
+    slices = split_slice(name, base)  # the base slice at the API's limits, as without dynamicMig
+    base_count = len(slices)
+    if split and gpus:  # at most MAX_COUNTER_SETS a slice
+        sets = [counter_set(g, p) for g, p in gpus]
+        for n in range(0, len(sets), MAX_COUNTER_SETS):
+            suffix = "" if n == 0 else f"-{n // MAX_COUNTER_SETS}"
+            slices.append((f"{name}-counters{suffix}", {"sharedCounters": sets[n:n + MAX_COUNTER_SETS]}))
     for gpu, listed in gpus:
         devices = [placement_device(PlacementDevice(gpu, profile, placement), state, cliques, pcie_root)
                    for profile in listed for placement in profile.placements]
@@ -197,7 +201,7 @@ def dynamic_slices(state: NodeState, node: str, driver: str, generation: int, sp
         if not split:
             spec = {"sharedCounters": [counter_set(gpu, listed)], **spec}
         slices.append((f"{name}-gpu-{gpu.index}", spec))
-    for _, spec in slices[1:]:
+    for _, spec in slices[base_count:]:
         spec.update({"driver": driver, "nodeName": node,
                      "pool": {"name": node, "generation": generation, "resourceSliceCount": 0}})
     for _, spec in slices:
@@ -229,34 +233,27 @@ class DynamicMigError(Exception):
 
 
 class DynamicMig:
-    """The MIG profiles NVML reports per GPU, and the MIG devices made for prepared claims, kept in a
-    checkpoint file (`dynamic-mig.json` next to the DRA checkpoint) with their instance ids, written before
-    and after each create and before each destroy: a restart in between loses nothing."""
+    """The MIG profiles NVML reports per GPU, and the MIG devices made for prepared claims, kept with their
+    claims in the DRA checkpoint (`ClaimStore`) with their instance ids, written before and after each create and
+    after each destroy: a restart in between loses nothing."""
 
-    def __init__(self, backend: NvmlBackend, nvml: NvmlCall[Any], state_file: Path) -> None:
+    def __init__(self, backend: NvmlBackend, nvml: NvmlCall[Any], store: ClaimStore) -> None:
         self._backend = backend
         self._ops = MigOps(backend)
         self._nvml = nvml
-        self._file = state_file
+        self.store = store
         self.profiles: dict[str, tuple[MigProfile, ...]] = {}
         """By GPU UUID: what NVML lists (placements included) for each GPU in MIG mode."""
         self.active = False
         """Set by the publisher once the API server is known to keep the counters."""
         self.loaded = False
         """Whether load_profiles ran (the publisher runs it before its first write)."""
-        self.made: dict[str, dict[str, Any]] = {}
-        """By "<claim uid>/<device>": the placement and, once made, the instance ids and MIG UUID."""
         self._lock = asyncio.Lock()
-        self._load()
 
-    def _load(self) -> None:
-        try:
-            self.made = read_checkpoint(self._file, "the dynamic MIG checkpoint", "devices", STATE_VERSION)
-        except CheckpointError as err:
-            raise DynamicMigError(str(err)) from None
-
-    def _save(self) -> None:
-        write_checkpoint(self._file, "devices", STATE_VERSION, self.made)
+    @property
+    def made(self) -> dict[str, dict[str, Any]]:
+        """By "<claim uid>/<device>": the placement and, once made, the instance ids and MIG UUID."""
+        return self.store.mig_records()
 
     async def load_profiles(self, state: NodeState) -> None:
         """Ask NVML for the profiles and placements of each GPU in MIG mode."""
@@ -280,24 +277,22 @@ class DynamicMig:
     async def create(self, uid: str, device: PlacementDevice) -> MadeDevice:
         """The MIG device of `device` for claim `uid`: made now, or the one made before (an interrupted
         Prepare finds its instance by the checkpoint's record)."""
-        key = f"{uid}/{device.name}"
         async with self._lock:
-            record = self.made.get(key)
+            record = self.made.get(f"{uid}/{device.name}")
             if record is not None and "uuid" in record:
                 return _made(record)
             gpu, profile, start = device.gpu, device.profile, device.placement.start
             if record is None:
-                self.made[key] = {"gpu": gpu.index, "minor": gpu.minor, "profile": profile.name, "start": start}
-                self._save()
+                self.store.set_mig(uid, device.name, {"gpu": gpu.index, "minor": gpu.minor, "profile": profile.name,
+                                                      "start": start})
             else:  # a create was under way when the agent stopped: take its instance if it is there
                 existing = await self._nvml(lambda: self._instance_at(gpu.index, start))
                 if existing is not None and existing.profile == profile.name:
-                    return self._record(key, gpu.index, gpu.minor, existing)
+                    return self._record(uid, device.name, existing)
             try:
                 await self._nvml(lambda: self._ops.create(gpu.index, profile.name, start))
             except MigCallError as err:
-                self.made.pop(key, None)
-                self._save()
+                self.store.drop_mig(uid, device.name)
                 raise DynamicMigError(
                     f"cannot create MIG device {profile.name} at memory slice {start} of GPU {gpu.index}: {err} "
                     "(is the placement taken by a GPU instance made outside the agent?)") from None
@@ -305,13 +300,17 @@ class DynamicMig:
             if found is None:
                 raise DynamicMigError(f"MIG device {profile.name} at memory slice {start} of GPU {gpu.index} was "
                                       "created but NVML does not list it")
-            return self._record(key, gpu.index, gpu.minor, found)
+            return self._record(uid, device.name, found)
 
-    def _record(self, key: str, index: int, minor: int, found: Any) -> MadeDevice:
-        self.made[key].update(uuid=found.uuid, gi=found.gpu_instance_id, ci=found.compute_instance_id,
-                              minor=minor, gpu=index)
-        self._save()
-        return _made(self.made[key])
+    def _record(self, uid: str, device: str, found: Any) -> MadeDevice:
+        record = {**self.made[f"{uid}/{device}"], "uuid": found.uuid, "gi": found.gpu_instance_id,
+                  "ci": found.compute_instance_id}
+        self.store.set_mig(uid, device, record)
+        return _made(record)
+
+    def _gpu_instance_at(self, index: int, start: int) -> GpuInstanceInfo | None:
+        """The GPU instance at memory slice `start` of GPU `index`, with or without its compute instance."""
+        return next((i for i in self._ops.state(index).instances if i.start == start), None)
 
     def _instance_at(self, index: int, start: int) -> Any:
         """The MIG device (GPU and compute instance) at memory slice `start` of GPU `index`, if any."""
@@ -328,7 +327,7 @@ class DynamicMig:
                 gi = record.get("gi")
 
                 def destroy(index: int = index, start: int = start, gi: Any = gi) -> None:
-                    found = self._instance_at(index, start)
+                    found = self._gpu_instance_at(index, start)
                     if found is None or (gi is not None and found.gpu_instance_id != gi):
                         return  # gone already (or another instance sits there now: not this claim's)
                     self._ops.destroy(index, start)
@@ -337,10 +336,38 @@ class DynamicMig:
                     await self._nvml(destroy)
                 except (MigCallError, LookupError) as err:
                     raise DynamicMigError(f"cannot destroy MIG device {key.split('/', 1)[1]}: {err}") from None
-                del self.made[key]
-                self._save()
+                self.store.drop_mig(uid, key.split("/", 1)[1])
                 released.append(key.split("/", 1)[1])
         return released
+
+    async def sweep(self, state: NodeState) -> list[str]:
+        """Destroy the MIG devices of the published GPUs that no claim's record owns (left by a crash, or made
+        outside the agent), one log line each; returns them as "<profile> at memory slice <n> of GPU <i>". A
+        record owns the MIG device at its GPU and placement (one whose create was cut short included)."""
+        if not self.store.sweep_allowed:
+            return []
+        swept = []
+        async with self._lock:
+            owned = {(int(r["gpu"]), int(r["start"])) for r in self.made.values()}
+            for gpu, _ in dynamic_gpus(state, self.profiles_of, taints=True):
+                try:
+                    found = await self._nvml(functools.partial(self._ops.state, gpu.index))
+                except MigCallError as err:
+                    log.warning("cannot list the MIG devices of GPU %d to destroy those no prepared claim owns: %s",
+                                gpu.index, err)
+                    continue
+                for instance in found.instances:
+                    if (gpu.index, instance.start) in owned:
+                        continue
+                    what = f"{instance.profile} at memory slice {instance.start} of GPU {gpu.index}"
+                    try:
+                        await self._nvml(functools.partial(self._ops.destroy, gpu.index, instance.start))
+                    except (MigCallError, LookupError) as err:
+                        log.warning("cannot destroy MIG device %s, which no prepared claim owns: %s", what, err)
+                        continue
+                    log.info("destroyed MIG device %s: no prepared claim owns it", what)
+                    swept.append(what)
+        return swept
 
 
 def _made(record: Mapping[str, Any]) -> MadeDevice:
@@ -349,11 +376,6 @@ def _made(record: Mapping[str, Any]) -> MadeDevice:
 
 
 # --- publishing the slices --------------------------------------------------------------------------------
-
-
-def state_file(checkpoint: Path) -> Path:
-    """The dynamic MIG checkpoint next to the DRA plugin's checkpoint (plugins/<driver>/dynamic-mig.json)."""
-    return checkpoint.with_name(STATE_FILE)
 
 
 class DynamicSlicePublisher(SlicePublisher):
@@ -367,7 +389,6 @@ class DynamicSlicePublisher(SlicePublisher):
         self.dynamic = dynamic
         self.counters_mode = UNDECIDED
         self.split: bool | None = None
-        self._slices_written: tuple[object, object] | None = None
 
     async def _decide_split(self) -> bool:
         if self.split is None:
@@ -387,14 +408,14 @@ class DynamicSlicePublisher(SlicePublisher):
             await self.dynamic.load_profiles(state)
         wanted = dynamic_slices(state, self.node, self.driver, 0, split, self.dynamic.profiles_of,
                                 self._pcie_root)
-        if len(wanted) == 1 and self.counters_mode == UNDECIDED:
+        if self.counters_mode == UNDECIDED and not any(s.get("sharedCounters") for _, s in wanted):
             return await super().sync(state)  # no GPU in MIG mode (yet): nothing to decide
-        existing = {(s.get("metadata") or {}).get("name"): s for s in await self._api.list(self.node, self.driver)}
+        await self._read_owner()
+        existing = await self._listed()
         if self.counters_mode == UNDECIDED:
             name, spec = next((n, s) for n, s in wanted if s.get("sharedCounters"))
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                    "metadata": (existing[name].get("metadata") if name in existing else {"name": name}),
-                    "spec": {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}}}
+            body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
+                              existing.get(name))
             stored = await (self._api.replace(name, body, dry_run=True) if name in existing
                             else self._api.create(body, dry_run=True))
             if not (stored.get("spec") or {}).get("sharedCounters"):
@@ -407,26 +428,5 @@ class DynamicSlicePublisher(SlicePublisher):
                      "in MIG mode is a device, created at NodePrepareResources")
             self.counters_mode = COUNTERS
             self.dynamic.active = True
-        specs = [(n, copy.deepcopy(s)) for n, s in wanted]
-        versions = tuple(sorted((n, (s.get("metadata") or {}).get("resourceVersion")) for n, s in existing.items()))
-        if self._slices_written == (versions, specs):
-            return False
-        stored_generation = max((int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0)
-                                 for s in existing.values()), default=0)
-        generation = max(self.generation, stored_generation) + 1
-        written_versions = []
-        for name, spec in wanted:
-            spec["pool"]["generation"] = generation
-            meta = (existing[name].get("metadata") or {}) if name in existing else {"name": name}
-            body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
-            written = await (self._api.replace(name, body) if name in existing else self._api.create(body))
-            written_versions.append((name, (written.get("metadata") or {}).get("resourceVersion")))
-        for stale in set(existing) - {n for n, _ in wanted}:
-            if stale:
-                log.info("deleting stale ResourceSlice %s of driver %s", stale, self.driver)
-                await self._api.delete(stale)
-        self.generation = generation
-        self._slices_written = (tuple(sorted(written_versions)), specs)
-        log.info("published %d ResourceSlice(s) of pool %s: %d device(s), pool generation %d", len(wanted),
-                 self.node, sum(len(s.get("devices") or []) for _, s in wanted), generation)
-        return True
+            await self.dynamic.sweep(state)
+        return await self._write_slices(wanted, existing)

@@ -7,8 +7,9 @@ driver, its endpoint, the services it serves) and NotifyRegistrationStatus (on s
 checked again: the kubelet deletes a driver's slices when the driver registers). The DRA socket answers
 NodePrepareResources and NodeUnprepareResources for every claim the kubelet names, through prepare.py (which
 reads the claim, writes its CDI spec and records it in the checkpoint of claims.py before it is answered, so a
-restart in between loses nothing; both are idempotent). The same socket streams the health of every published
-or prepared device to the kubelet (NodeWatchResources, health.py).
+restart in between loses nothing; both are idempotent, and one claim's run one at a time). Before it serves,
+the plugin rolls back what a crash left half-done (Preparer.recover). The same socket streams the health of
+every published or prepared device to the kubelet (NodeWatchResources, health.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from agent.state import StateBus
 
 log = logging.getLogger(__name__)
 
+MAX_FAILING = 1024
+"""The most claims whose failing prepares are remembered (the oldest are forgotten first)."""
+
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
 """What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them. A 1.37
 kubelet opens the health stream only for a plugin that lists a DRAResourceHealth service here (it prefers v1);
@@ -55,15 +59,20 @@ class DraKubeletPlugin:
         self.driver = driver
         self.node = node
         self._on_registered = on_registered
-        self.store = ClaimStore(paths, driver)
+        self.store = dynamic.store if dynamic is not None else ClaimStore(paths, driver)
+        """The claims' checkpoint; with dra.dynamicMig the one that records the MIG devices made for them."""
         self.health_stream = DeviceHealthStream(bus, node, self.store, dynamic)
         self.preparer = Preparer(self.store, driver, node, bus, claims, control_nodes, dev_root,
                                  self.health_stream.claims_changed, mig_minors, dynamic)
         self._server: grpc.aio.Server | None = None
+        self.failing: dict[str, tuple[str, int]] = {}
+        """By claim UID: the error its last prepare failed with (said when it changes) and how many prepares
+        failed in a row."""
         self.registrations = 0
         self.registration_error = ""
 
     async def start(self) -> None:
+        await self.preparer.recover()
         for socket in (self.paths.registration, self.paths.endpoint):
             socket.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
@@ -107,12 +116,10 @@ class DraKubeletPlugin:
     async def prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
         return await self.preparer.prepare(namespace, uid, name)
 
-    async def release(self, uid: str) -> None:
-        """Destroy the MIG devices made for claim `uid` (dra.dynamicMig); DynamicMigError when one cannot be."""
-        await self.preparer.release(uid)
-
-    def unprepare(self, uid: str) -> None:
-        self.preparer.unprepare(uid)
+    async def unprepare(self, uid: str) -> None:
+        """Destroy the MIG devices made for claim `uid` (dra.dynamicMig), forget the claim and remove its CDI
+        spec; DynamicMigError or OSError when that cannot be done."""
+        await self.preparer.unprepare(uid)
 
     def holders(self) -> list[DeviceHolder]:
         """The devices of the prepared claims as the MIG manager counts who holds a GPU."""
@@ -143,17 +150,21 @@ class _Registration(reg_grpc.RegistrationServicer):
 async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     response = pb.NodePrepareResourcesResponse()
     for claim in claims:
+        where = f"{claim.namespace}/{claim.name}"
         try:
             prepared = await plugin.prepare(claim.namespace, claim.uid, claim.name)
-        except ClaimError as err:
-            response.claims[claim.uid].error = str(err)
-            log.warning("cannot prepare claim %s (%s): %s", f"{claim.namespace}/{claim.name}", claim.uid, err)
+        except Exception as err:  # a claim that cannot be prepared, or an API server error: the kubelet retries
+            error = str(err) if isinstance(err, ClaimError) else f"claim {where}: {type(err).__name__}: {err}"
+            response.claims[claim.uid].error = error
+            last, count = plugin.failing.pop(claim.uid, ("", 0))
+            if error != last:  # said once while the kubelet's retries fail the same way
+                log.warning("cannot prepare claim %s (%s): %s", where, claim.uid, error)
+            plugin.failing[claim.uid] = (error, count + 1)
+            while len(plugin.failing) > MAX_FAILING:
+                del plugin.failing[next(iter(plugin.failing))]
             continue
-        except Exception as err:  # an API server error: the kubelet retries
-            response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {type(err).__name__}: {err}"
-            log.warning("cannot prepare claim %s (%s): %s", f"{claim.namespace}/{claim.name}", claim.uid,
-                        response.claims[claim.uid].error)
-            continue
+        if (failed := plugin.failing.pop(claim.uid, None)) is not None:
+            log.info("prepared claim %s (%s) after %d failed attempt(s)", where, claim.uid, failed[1])
         for d in prepared:
             response.claims[claim.uid].devices.append(pb.Device(
                 request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
@@ -164,9 +175,9 @@ async def _prepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
 async def _unprepare_all(plugin: DraKubeletPlugin, claims: Any, pb: Any) -> Any:
     response = pb.NodeUnprepareResourcesResponse()
     for claim in claims:
+        plugin.failing.pop(claim.uid, None)
         try:
-            await plugin.release(claim.uid)
-            plugin.unprepare(claim.uid)
+            await plugin.unprepare(claim.uid)
             response.claims[claim.uid].error = ""
         except (DynamicMigError, OSError) as err:
             response.claims[claim.uid].error = f"claim {claim.namespace}/{claim.name}: {err}"

@@ -7,8 +7,11 @@ the MIG manager's busy check."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +24,32 @@ from agent.mps_client import mps_client
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
 
+REPLICA = re.compile(r"^(gpu-\d+)-replica-\d+$")
+"""A replica's device name (slices.replica_name), its GPU's device name first."""
+
 log = logging.getLogger("agent.dra.plugin")
 """The plugin's lines keep the logger name they have always had."""
+
+
+class KeyedLock:
+    """A lock per key, kept only while held or awaited."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 class Preparer:
@@ -43,11 +70,21 @@ class Preparer:
         self._mig_minors = dict(mig_minors or {})
         self._dynamic = dynamic
         """With dra.dynamicMig: makes the MIG device of an allocated placement (agent/dra/dynamic.py)."""
+        self._locks = KeyedLock()
+        """One prepare or unprepare of a claim at a time (by UID)."""
 
     async def prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
+        """Prepare claim `uid` (idempotent). Prepares and unprepares of one claim run one at a time, so an
+        unprepare that arrives while a prepare waits for the API server is not undone by it."""
+        async with self._locks.hold(uid):
+            return await self._prepare(namespace, uid, name)
+
+    async def _prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
         done = self._store.get(uid)
         if done is not None:
             return done
+        if self._store.state(uid) is not None:  # a prepare cut short (PrepareStarted): undone, then done again
+            await self._roll_back(uid)
         claim = await self._claims.claim(namespace, name)
         where = f"claim {namespace}/{name}"
         if claim is None:
@@ -62,31 +99,74 @@ class Preparer:
                    if r.get("driver") == self.driver and r.get("pool") == self.node]
         known = self._devices()
         picked: dict[str, list[str]] = {}
+        shares: set[str] = set()
         for result in results:
             device = str(result.get("device"))
             if device not in known:
                 raise ClaimError(f"{where}: device {device} is not a device of node {self.node}")
             picked.setdefault(device, []).append(str(result.get("request")))
+            if result.get("shareID"):
+                shares.add(device)
         try:
             env = device_env(self.driver, (allocation.get("devices") or {}).get("config") or [], picked)
         except ConfigProblem as err:
             raise ClaimError(f"{where}: {err}") from None
-        known.update(await self._make_dynamic(where, uid, sorted(picked)))
-        listed = [(device, *known[device]) for device in sorted(picked)]
-        try:
-            edits = self._mps_edits(where, sorted(picked))
-        except ClaimError:
-            await self.release(uid)
-            raise
-        spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env, edits)
+        edits = self._mps_edits(where, sorted(picked))
+        self._check_overlap(where, uid, sorted(picked), shares, known)
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
                              (cdi_id(self.driver, gpu_device_name(uid, device)), shared))
-                    for device, _, _ in listed]
-        self._store.put(uid, namespace, name, prepared, spec)
+                    for device in sorted(picked)]
+        # Checked and recorded with no await in between: no other claim can take these devices meanwhile.
+        self._store.begin(uid, namespace, name, prepared)
+        try:
+            known.update(await self._make_dynamic(where, uid, sorted(picked)))
+            listed = [(device, *known[device]) for device in sorted(picked)]
+            spec = claim_spec(self.driver, uid, listed, self._control_nodes, self._dev_root, env, edits)
+            self._store.complete(uid, prepared, spec)
+        except (ClaimError, OSError) as err:
+            await self._roll_back(uid)
+            if isinstance(err, OSError):
+                raise ClaimError(f"{where}: cannot write its CDI spec or the checkpoint: {err}") from None
+            raise
         self._on_change()
-        log.info("prepared %s (%s): %s", where, uid, ", ".join(device for device, _, _ in listed) or "no devices")
+        log.info("prepared %s (%s): %s", where, uid, ", ".join(sorted(picked)) or "no devices")
         return prepared
+
+    def _check_overlap(self, where: str, uid: str, devices: list[str], shares: set[str],
+                       known: Mapping[str, tuple[str, list[str]]]) -> None:
+        """Refuse devices another claim holds (prepared or being prepared): the same device, or another name of
+        the same GPU (a whole GPU and a replica of it, after a change of the sharing config). Replicas of one
+        GPU are its shares, and a device allocated with a share ID (consumable capacity) is shared by design."""
+        def gpu_uuid(device: str) -> str:
+            """The GPU or MIG UUID of a device name, a replica's by its GPU even where the sharing config that
+            made it is gone."""
+            found = REPLICA.match(device)
+            return known.get(found.group(1) if found else device, ("", []))[0]
+
+        for other, entry in self._store.claims.items():
+            if other == uid:
+                continue
+            for held in entry["devices"]:
+                theirs = str(held["device"])
+                their_uuid = gpu_uuid(theirs)
+                for device in devices:
+                    if device == theirs:
+                        if device in shares:
+                            continue
+                    elif not (their_uuid and gpu_uuid(device) == their_uuid) or (
+                            REPLICA.match(device) and REPLICA.match(theirs)):
+                        continue
+                    same = "" if device == theirs else f" (as {theirs}, the same GPU)"
+                    raise ClaimError(f"{where}: device {device} is already prepared for claim "
+                                     f"{entry['namespace']}/{entry['name']} ({other}){same}; it is given to one "
+                                     "claim at a time")
+
+    async def _roll_back(self, uid: str) -> None:
+        """Undo a prepare that did not complete: its MIG devices destroyed, the claim forgotten, its CDI spec
+        removed."""
+        await self.release(uid)
+        self._store.remove(uid)
 
     async def _make_dynamic(self, where: str, uid: str, devices: list[str]) -> dict[str, tuple[str, list[str]]]:
         """The MIG devices of the claim's allocated placements (dra.dynamicMig), made now: by device name, the
@@ -102,7 +182,6 @@ class Preparer:
             try:
                 mig = await self._dynamic.create(uid, placements[device])
             except DynamicMigError as err:
-                await self.release(uid)
                 raise ClaimError(f"{where}: {err}") from None
             gpu = f"gpu{mig.gpu_minor}/gi{mig.gpu_instance_id}"
             wanted = (f"{gpu}/access", f"{gpu}/ci{mig.compute_instance_id}/access")
@@ -173,9 +252,43 @@ class Preparer:
                 for entry in self._store.claims.values() for d in entry["devices"]
                 if (uuid := known.get(d["device"], ("", []))[0])]
 
-    def unprepare(self, uid: str) -> None:
-        known = self._store.get(uid) is not None
-        self._store.remove(uid)
+    async def unprepare(self, uid: str) -> None:
+        """Unprepare claim `uid` (idempotent): its MIG devices destroyed, then the claim forgotten and its CDI
+        spec removed. DynamicMigError or OSError when that cannot be done; the kubelet retries."""
+        async with self._locks.hold(uid):
+            known = self._store.state(uid) is not None
+            await self.release(uid)
+            self._store.remove(uid)
         if known:
             log.info("unprepared claim %s", uid)
             self._on_change()
+
+    async def recover(self) -> None:
+        """At start, before the kubelet is served: roll back the prepares a crash cut short (the kubelet, which
+        got no answer, prepares them again) and remove the CDI specs no claim of the checkpoint owns; one log
+        line each."""
+        for uid in self._store.started():
+            entry = self._store.claims[uid]
+            where = f"claim {entry['namespace']}/{entry['name']} ({uid})" if entry["name"] else f"claim {uid}"
+            try:
+                await self._roll_back(uid)
+            except (DynamicMigError, OSError) as err:
+                log.warning("cannot roll back the prepare of %s that a restart cut short: %s; the kubelet's next "
+                            "call tries again", where, err)
+                continue
+            log.info("rolled back the prepare of %s that a restart cut short; the kubelet prepares it again",
+                     where)
+        if not self._store.sweep_allowed:
+            log.warning("removing no CDI spec or MIG device that no claim owns: a damaged checkpoint is kept "
+                        "beside %s (remove the .corrupt file once the node's claims are unprepared)",
+                        self._store.corrupt_copy.parent)
+            return
+        for path in self._store.orphan_specs():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                log.warning("cannot remove CDI spec %s, which no prepared claim owns: %s", path, err.strerror)
+                continue
+            log.info("removed CDI spec %s: no prepared claim owns it", path)

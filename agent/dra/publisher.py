@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from agent.dra.slices import PcieRootLookup, slice_name, slice_spec, taint_key
+from agent.dra.slices import PcieRootLookup, pool_slices, slice_name, slice_spec, taint_key
 from agent.kube.client import ApiClient
 from agent.kube.node import NodeApi
 from agent.kube.usage import ApiError, Backoff
@@ -92,6 +92,11 @@ class SliceApi:
             if err.status != 404:
                 raise
 
+    async def node_uid(self, node: str) -> str:
+        """The UID of Node `node` (the slices' owner)."""
+        found: dict[str, Any] = await self._request("GET", f"/api/v1/nodes/{quote(node, safe='')}")
+        return str((found.get("metadata") or {}).get("uid") or "")
+
     async def version(self) -> dict[str, Any]:
         """The API server's version (GET /version: gitVersion, major, minor)."""
         found: dict[str, Any] = await self._request("GET", "/version")
@@ -145,6 +150,12 @@ class SlicePublisher:
         self.health_mode = UNDECIDED
         """How unhealthy devices are published: UNDECIDED until one was, then TAINTS where the API server
         kept their device taints, WITHDRAWAL (for the rest of the agent's run) where it dropped them."""
+        self._owner: list[dict[str, Any]] | None = None
+        """The slices' ownerReferences: the Node (read once; [] where the client cannot read it), so that the
+        Node's deletion deletes them."""
+        self._slices_written: tuple[object, object] | None = None
+        """With several slices: their names and resourceVersions after this agent's last write, and the specs
+        it wrote."""
 
     async def close(self) -> None:
         close = getattr(self._api, "close", None)
@@ -160,6 +171,15 @@ class SlicePublisher:
         """Make the slice match `state`; returns whether anything was written. Only a check (`verify`: the first
         sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
         wrote, and a state whose devices are the same costs no request."""
+        await self._read_owner()
+        wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
+                             taints=self.health_mode != WITHDRAWAL)
+        if len(wanted) > 1:  # more devices than one slice takes
+            self._written = self._stored = None
+            return await self._write_pool(state)
+        if self._slices_written is not None:  # back to one slice: the others go
+            self._slices_written = None
+            self.verify = True
         wrote = False
         listed: dict[str, Any] | None = None
         if self.verify:
@@ -189,7 +209,7 @@ class SlicePublisher:
                 have, listed = listed or None, None  # a second pass reads it again
             else:
                 have = await self._api.get(self.name) if read else self._stored
-            body: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "spec": wanted}
+            body = self._body(self.name, wanted, have)
             if have is not None:
                 meta = have.get("metadata") or {}
                 if self._written == (meta.get("resourceVersion"), devices):
@@ -197,7 +217,8 @@ class SlicePublisher:
                 stored_spec = have.get("spec") or {}
                 stored = int((stored_spec.get("pool") or {}).get("generation") or 0)
                 _keep_taint_times(wanted["devices"], stored_spec.get("devices") or [])
-                if _same_but_generation(wanted, stored_spec) and (not tainted or self._keeps_taints(tainted, have)):
+                if (_same_but_generation(wanted, stored_spec) and self._owned(have)
+                        and (not tainted or self._keeps_taints(tainted, have))):
                     # What the API server has is what this agent wants (a restarted agent finds the slice it
                     # wrote before): taken as written, with no write.
                     self.generation = stored
@@ -205,10 +226,8 @@ class SlicePublisher:
                     self._written = (meta.get("resourceVersion"), devices)
                     return False
                 generation = max(self.generation, stored) + 1
-                body["metadata"] = meta
             else:
                 generation = self.generation + 1
-                body["metadata"] = {"name": self.name}
             wanted["pool"]["generation"] = generation
             # The first taint goes in a dry run: the API server answers what it would store, so no write
             # publishes an unhealthy device without its taint.
@@ -231,10 +250,87 @@ class SlicePublisher:
                 continue  # the API server stopped keeping them (restarted with the gate off)
             return True
 
+    async def _read_owner(self) -> None:
+        if self._owner is None:
+            uid_of = getattr(self._api, "node_uid", None)
+            uid = await uid_of(self.node) if uid_of is not None else ""
+            self._owner = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid,
+                            "controller": True}] if uid else []
+
+    def _owned(self, stored: dict[str, Any]) -> bool:
+        """Whether a stored slice has the owner this agent gives its slices."""
+        return not self._owner or (stored.get("metadata") or {}).get("ownerReferences") == self._owner
+
+    def _body(self, name: str, spec: dict[str, Any], stored: dict[str, Any] | None) -> dict[str, Any]:
+        """A ResourceSlice to write: with the stored slice's metadata (its resourceVersion makes the write
+        conditional) where there is one, owned by the Node."""
+        meta = dict(stored.get("metadata") or {}) if stored is not None else {"name": name}
+        if self._owner:
+            meta["ownerReferences"] = self._owner
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta, "spec": spec}
+
     async def _send(self, exists: bool, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         if exists:
-            return await self._api.replace(self.name, body, dry_run=dry_run)
+            return await self._api.replace(body["metadata"]["name"], body, dry_run=dry_run)
         return await self._api.create(body, dry_run=dry_run)
+
+    async def _write_pool(self, state: NodeState) -> bool:
+        """The node's devices in several slices (more than one takes): as _write_slices, after a dry run of the
+        first slice with a tainted device while the health mode is undecided."""
+        while True:
+            wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
+                                 taints=self.health_mode != WITHDRAWAL)
+            existing = await self._listed()
+            tainted = [(n, s) for n, s in wanted if any(d.get("taints") for d in s["devices"])]
+            if tainted and self.health_mode == UNDECIDED:
+                name, spec = tainted[0]
+                body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
+                                  existing.get(name))
+                stored = await self._send(name in existing, body, dry_run=True)
+                if not self._keeps_taints({d["name"] for d in spec["devices"] if d.get("taints")}, stored):
+                    continue
+            return await self._write_slices(wanted, existing)
+
+    async def _listed(self) -> dict[str, dict[str, Any]]:
+        """The driver's slices of this node as the API server has them, by name."""
+        return {name: s for s in await self._api.list(self.node, self.driver)
+                if (name := (s.get("metadata") or {}).get("name"))}
+
+    async def _write_slices(self, wanted: list[tuple[str, dict[str, Any]]], existing: dict[str, dict[str, Any]]
+                            ) -> bool:
+        """Make the pool's slices `wanted` (name, spec; the generation is set here) of the slices `existing`:
+        nothing when they are what this agent last wrote, or (a restarted agent) what it wants but for the
+        generation; else every slice written with the next generation, and the others deleted."""
+        for name, spec in wanted:
+            if name in existing:
+                _keep_taint_times(spec["devices"] or [], (existing[name].get("spec") or {}).get("devices") or [])
+        specs = [(n, copy.deepcopy(s)) for n, s in wanted]
+        versions = tuple(sorted((n, (s.get("metadata") or {}).get("resourceVersion")) for n, s in existing.items()))
+        if self._slices_written == (versions, specs):
+            return False
+        generations = {int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                       for s in existing.values()}
+        stored_generation = max(generations, default=0)
+        if (set(existing) == {n for n, _ in wanted} and len(generations) == 1
+                and all(_same_but_generation(spec, existing[n].get("spec") or {}) and self._owned(existing[n])
+                        for n, spec in wanted)):
+            self.generation = stored_generation
+            self._slices_written = (versions, specs)
+            return False
+        generation = max(self.generation, stored_generation) + 1
+        written_versions = []
+        for name, spec in wanted:
+            spec["pool"]["generation"] = generation
+            written = await self._send(name in existing, self._body(name, spec, existing.get(name)))
+            written_versions.append((name, (written.get("metadata") or {}).get("resourceVersion")))
+        for stale in sorted(set(existing) - {n for n, _ in wanted}):
+            log.info("deleting stale ResourceSlice %s of driver %s", stale, self.driver)
+            await self._api.delete(stale)
+        self.generation = generation
+        self._slices_written = (tuple(sorted(written_versions)), specs)
+        log.info("published %d ResourceSlice(s) of pool %s: %d device(s), pool generation %d", len(wanted),
+                 self.node, sum(len(s.get("devices") or []) for _, s in wanted), generation)
+        return True
 
     def _keeps_taints(self, tainted: set[str], stored_slice: dict[str, Any]) -> bool:
         """Whether the API server stored the taints of the devices `tainted`; decides the health mode."""

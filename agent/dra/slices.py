@@ -390,6 +390,37 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
     }
 
 
+MAX_DEVICES = 128
+"""The most devices a ResourceSlice takes (resource/v1 ResourceSliceMaxDevices)."""
+MAX_DEVICES_TAINTED = 64
+"""The most where any device has taints or consumes counters (ResourceSliceMaxDevicesWithTaintsOrConsumesCounters,
+from 1.35; 128 in 1.34)."""
+
+
+def split_slice(name: str, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """One slice's spec as the slices the API takes, as (object name, spec): the devices in order, MAX_DEVICES a
+    slice, or MAX_DEVICES_TAINTED where any of them has taints or consumes counters; the first keeps `name`,
+    the others are `<name>-1`, `<name>-2`... Each has the pool of `spec`; resourceSliceCount is the caller's."""
+    devices = spec.get("devices") or []
+    limit = MAX_DEVICES_TAINTED if any(d.get("taints") or d.get("consumesCounters") for d in devices) else MAX_DEVICES
+    if len(devices) <= limit:
+        return [(name, spec)]
+    chunks = [devices[i:i + limit] for i in range(0, len(devices), limit)]
+    return [(name if n == 0 else f"{name[:253 - len(str(n)) - 1].rstrip('-.')}-{n}",
+             {**spec, "pool": dict(spec["pool"]), "devices": chunk}) for n, chunk in enumerate(chunks)]
+
+
+def pool_slices(state: NodeState, node: str, driver: str, generation: int,
+                pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """The node's slices for `state` (slice_spec split at the API's limits, split_slice), each with
+    resourceSliceCount the number of them."""
+    found = split_slice(slice_name(node, driver), slice_spec(state, node, driver, generation, pcie_root, taints))
+    for _, spec in found:
+        spec["pool"]["resourceSliceCount"] = len(found)
+    return found
+
+
 def plugin_resources(names: Iterable[str] | Mapping[str, Resource], dra: bool, dynamic_mig: bool = False) -> set[str]:
     """The resources the device plugin serves: in DRA mode whole GPUs are the DRA driver's, not nvidia.com/gpu's,
     and so are their shared replicas (time-sliced or MPS) under any name (given the plan's resources, by name);

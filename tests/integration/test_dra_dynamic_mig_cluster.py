@@ -46,7 +46,7 @@ from dra_rig import (
 
 from agent.config import parse_config
 from agent.dra import plugin as dra_plugin
-from agent.dra.claims import Paths
+from agent.dra.claims import ClaimStore, Paths
 from agent.dra.dynamic import DynamicMig, DynamicSlicePublisher
 from agent.dra.publisher import SliceApi
 from agent.dra.v1 import api_pb2 as v1
@@ -137,12 +137,12 @@ class Node:
         kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
         api = await NodeApi.connect(kubeconfig, name)
         node.slices = SliceApi.sharing(api)
-        node.dynamic = DynamicMig(node.backend, node.nvml, directory / "kubelet" / "plugins" / DRIVER /
-                                  "dynamic-mig.json")
+        paths = Paths.under(directory / "kubelet", DRIVER, directory / "cdi")
+        node.dynamic = DynamicMig(node.backend, node.nvml, ClaimStore(paths, DRIVER))
         await node.dynamic.load_profiles(node.bus.current)
         node.publisher = DynamicSlicePublisher(node.slices, node.bus, name, DRIVER, node.dynamic)
         node.plugin = dra_plugin.DraKubeletPlugin(
-            Paths.under(directory / "kubelet", DRIVER, directory / "cdi"), DRIVER, name, node.bus,
+            paths, DRIVER, name, node.bus,
             node.slices, [], Path("/"), lambda: None, {}, node.dynamic)
         try:
             yield node

@@ -172,7 +172,8 @@ async def test_registration_prepare_unprepare_and_a_restart_in_between(
             assert gone.claims[uid].error == ""
             assert not written.exists()
             checkpoint = json.loads((root / "kubelet" / "plugins" / DRIVER / "checkpoint.json").read_text())
-            assert checkpoint == {"version": 1, "claims": {}}
+            assert checkpoint == {"version": 2, "claims": {},  # the SHA-256 of "{}"
+                                  "checksum": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"}
             # Unprepared already: still a success.
             twice = await v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
                 v1.NodeUnprepareResourcesRequest(claims=[v1.Claim(namespace=NAMESPACE, uid=uid, name="train")]),

@@ -323,3 +323,38 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
     finally:
         await server.stop(None)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("preset", "replicas", "firsts"), [
+    ("dgx-h100", 17, [(0, 0), (7, 9)]),  # 136 devices: 128 and 8
+    ("hgx-16-nvswitch", 64, [(2 * k, 0) for k in range(8)]),  # 1024 devices: 8 x 128
+], ids=["8x17", "16x64"])
+async def test_a_node_with_more_devices_than_a_slice_takes_is_published_in_several_and_allocated_from_each(
+        apiserver: ApiServer, scheduler: ControlPlane, agent_kubeconfig: Path, preset: str, replicas: int,
+        firsts: list[tuple[int, int]]) -> None:
+    name = f"dra-many-{replicas}"
+    sharing = f"sharing: {{timeSlicing: {{resources: [{{name: nvidia.com/gpu, replicas: {replicas}}}]}}}}\n"
+    async with dra_agent(apiserver, agent_kubeconfig, name, preset, config=sharing):
+        found = sorted(await asyncio.to_thread(slices_of, apiserver, name), key=lambda s: s["metadata"]["name"])
+        main = f"{name}-{DRIVER}"
+        count = len(firsts)
+        assert [s["metadata"]["name"] for s in found] == sorted([main, *(f"{main}-{i}" for i in range(1, count))])
+        assert [(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in found] == [
+            (1, count)] * count
+        uid = (await asyncio.to_thread(k8s.CoreV1Api(apiserver.admin_client()).read_node, name)).metadata.uid
+        assert [s["metadata"]["ownerReferences"] for s in found] == [
+            [{"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid, "controller": True}]] * count
+        by_name = {s["metadata"]["name"]: s for s in found}
+        ordered = [by_name[main], *(by_name[f"{main}-{i}"] for i in range(1, count))]
+        assert [s["spec"]["devices"][0]["name"] for s in ordered] == [f"gpu-{g}-replica-{r}" for g, r in firsts]
+        # One claim for the first device of each slice: the scheduler allocates from every one.
+        for k, (gpu, replica) in enumerate(firsts):
+            expression = (f"device.attributes['{DRIVER}'].index == {gpu} && "
+                          f"device.attributes['{DRIVER}'].replica == {replica}")
+            await asyncio.to_thread(create_claim, apiserver, f"slice-{k}", {"devices": {"requests": [
+                {"name": "share", "exactly": {"deviceClassName": "shared.gpu-node-agent.io",
+                                              "selectors": [{"cel": {"expression": expression}}]}}]}})
+            await asyncio.to_thread(create_pod, apiserver, f"slice-{k}", f"slice-{k}")
+        for k, (gpu, replica) in enumerate(firsts):
+            assert await asyncio.to_thread(allocated, apiserver, f"slice-{k}") == (
+                name, [("share", name, f"gpu-{gpu}-replica-{replica}")])

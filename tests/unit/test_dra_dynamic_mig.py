@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent.config import parse_config
+from agent.dra.claims import ClaimStore, Paths
 from agent.dra.dynamic import (
     DynamicMig,
     DynamicMigError,
@@ -45,6 +46,17 @@ H100 = {
 }
 TOKENS = {"1g.10gb": "1g10gb", "1g.10gb+me": "1g10gbme", "1g.20gb": "1g20gb", "2g.20gb": "2g20gb",
           "3g.40gb": "3g40gb", "4g.40gb": "4g40gb", "7g.80gb": "7g80gb"}
+
+
+def store(root: Path) -> ClaimStore:
+    """The DRA checkpoint of a node whose kubelet directory is `root`."""
+    return ClaimStore(Paths.under(root, DRIVER, root / "cdi"), DRIVER)
+
+
+def checkpoint(root: Path) -> dict[str, Any]:
+    """The DRA checkpoint as a user reads it."""
+    found: dict[str, Any] = json.loads((root / "plugins" / DRIVER / "checkpoint.json").read_text())
+    return found
 
 
 def mig_node(preset: str = "dgx-h100", mig: dict[int, list[tuple[str, int]]] | None = None
@@ -162,7 +174,7 @@ def nvml_thread() -> Any:
 
 async def test_create_and_destroy_a_placement_and_survive_a_restart_between(tmp_path: Path, nvml_thread: Any) -> None:
     state, fake, backend = mig_node()
-    dynamic = DynamicMig(backend, nvml_thread, tmp_path / "dynamic-mig.json")
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
     await dynamic.load_profiles(state)
     dynamic.active = True
     found = dynamic.devices(state)
@@ -173,17 +185,17 @@ async def test_create_and_destroy_a_placement_and_survive_a_restart_between(tmp_
     assert await dynamic.create("uid-1", found["gpu-0-mig-3g40gb-4"]) == made  # idempotent
     assert gpu_instances(fake, 0) == [(4, 4, 1)]
 
-    again = DynamicMig(backend, nvml_thread, tmp_path / "dynamic-mig.json")  # the agent restarted
+    again = DynamicMig(backend, nvml_thread, store(tmp_path))  # the agent restarted
     assert again.made["uid-1/gpu-0-mig-3g40gb-4"]["uuid"] == made.uuid
     assert await again.release("uid-1") == ["gpu-0-mig-3g40gb-4"]
     assert gpu_instances(fake, 0) == []
     assert await again.release("uid-1") == []  # idempotent
-    assert DynamicMig(backend, nvml_thread, tmp_path / "dynamic-mig.json").made == {}
+    assert DynamicMig(backend, nvml_thread, store(tmp_path)).made == {}
 
 
 async def test_a_placement_taken_outside_the_agent_fails_with_one_line(tmp_path: Path, nvml_thread: Any) -> None:
     state, fake, backend = mig_node(mig={0: [("4g.40gb", 0)]})  # made by an operator with nvidia-smi
-    dynamic = DynamicMig(backend, nvml_thread, tmp_path / "dynamic-mig.json")
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
     await dynamic.load_profiles(state)
     dynamic.active = True
     with pytest.raises(DynamicMigError) as err:
@@ -244,7 +256,7 @@ class Slices:
 async def test_the_publisher_writes_the_pool_where_counters_are_kept(tmp_path: Path, nvml_thread: Any) -> None:
     state, _, backend = mig_node()
     api = Slices(keeps=True)
-    dynamic = DynamicMig(backend, nvml_thread, tmp_path / "d.json")
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
     publisher = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, dynamic)
     assert await publisher.sync(state)
     assert dynamic.active
@@ -259,7 +271,7 @@ async def test_without_the_gate_the_publisher_says_so_once_and_publishes_the_lay
         tmp_path: Path, nvml_thread: Any, caplog: pytest.LogCaptureFixture) -> None:
     state, _, backend = mig_node(mig={0: [("3g.40gb", 4)]})
     api = Slices(keeps=False)
-    dynamic = DynamicMig(backend, nvml_thread, tmp_path / "d.json")
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
     publisher = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, dynamic)
     with caplog.at_level(logging.WARNING, logger="agent.dra.dynamic"):
         assert await publisher.sync(state)
@@ -317,23 +329,26 @@ def test_with_dynamic_mig_the_device_plugin_leaves_mig_devices_to_dra() -> None:
 
 async def test_a_create_cut_short_by_a_restart_takes_the_instance_it_made(tmp_path: Path, nvml_thread: Any) -> None:
     state, fake, backend = mig_node(mig={0: [("2g.20gb", 2)]})  # created; the agent stopped before recording it
-    file = tmp_path / "dynamic-mig.json"
+    # Written by an agent of checkpoint version 1, which kept the MIG devices in a file of their own.
+    file = tmp_path / "plugins" / DRIVER / "dynamic-mig.json"
+    file.parent.mkdir(parents=True)
     file.write_text(json.dumps({"version": 1, "devices": {
         "uid-3/gpu-0-mig-2g20gb-2": {"gpu": 0, "minor": 0, "profile": "2g.20gb", "start": 2}}}))
-    dynamic = DynamicMig(backend, nvml_thread, file)
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
+    assert not file.exists()  # folded into the checkpoint
     await dynamic.load_profiles(state)
     dynamic.active = True
     made = await dynamic.create("uid-3", dynamic.devices(state)["gpu-0-mig-2g20gb-2"])
     assert gpu_instances(fake, 0) == [(2, 2, 1)]  # no second instance
     assert made.uuid == state.inventory.mig_devices[0].uuid
-    assert json.loads(file.read_text())["devices"]["uid-3/gpu-0-mig-2g20gb-2"]["uuid"] == made.uuid
+    assert checkpoint(tmp_path)["claims"]["uid-3"]["mig"]["gpu-0-mig-2g20gb-2"]["uuid"] == made.uuid
 
 
 async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_thread: Any) -> None:
     state, _, backend = mig_node()
     api = Slices(keeps=True, git_version="v1.35.1")
     publisher = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, DynamicMig(backend, nvml_thread,
-                                                                                    tmp_path / "d.json"))
+                                                                                    store(tmp_path)))
     assert await publisher.sync(state)
     assert api.writes == [("create", f"{MAIN}-counters", True), ("create", MAIN, False),
                           ("create", f"{MAIN}-counters", False), ("create", f"{MAIN}-gpu-0", False)]
@@ -344,12 +359,11 @@ async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_t
 async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path: Path, nvml_thread: Any) -> None:
     import functools
 
-    from agent.dra.dynamic import state_file
     from agent.dra.publisher import SliceApi, slice_api
     from agent.kube.node import Credentials, NodeApi
 
     state, _, backend = mig_node()
-    dynamic = DynamicMig(backend, nvml_thread, state_file(tmp_path / "plugins" / "checkpoint.json"))
+    dynamic = DynamicMig(backend, nvml_thread, store(tmp_path))
     kube = NodeApi(Credentials("https://127.0.0.1:6443", False, token="t"), "n")
     errors: list[int] = []
     modes: list[str] = []
@@ -366,18 +380,12 @@ async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path
     assert (errors, modes) == ([1], ["taints"])
     await publisher.close()
 
-    # The dynamic MIG checkpoint lives next to the DRA checkpoint; a damaged one is refused in one line.
+    # The MIG devices made for a claim are in the DRA checkpoint, with the claim.
     api = Slices(keeps=True)
     assert await DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, dynamic).sync(state)
     assert sorted(api.stored) == [MAIN, f"{MAIN}-gpu-0"]
     await dynamic.create("u", dynamic.devices(state)["gpu-0-mig-7g80gb-0"])
-    assert json.loads((tmp_path / "plugins" / "dynamic-mig.json").read_text())["devices"]["u/gpu-0-mig-7g80gb-0"][
-        "profile"] == "7g.80gb"
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "dynamic-mig.json").write_text("{}")
-    with pytest.raises(DynamicMigError, match=r"^the dynamic MIG checkpoint .*/bad/dynamic-mig.json is not a "
-                       r"version 1 checkpoint$"):
-        DynamicMig(backend, nvml_thread, state_file(tmp_path / "bad" / "checkpoint.json"))
+    assert checkpoint(tmp_path)["claims"]["u"]["mig"]["gpu-0-mig-7g80gb-0"]["profile"] == "7g.80gb"
 
 
 def test_rtx_pro_6000_counts_its_twelve_placement_units_and_keeps_every_profile_apart() -> None:
@@ -402,3 +410,21 @@ def test_rtx_pro_6000_counts_its_twelve_placement_units_and_keeps_every_profile_
     half = devices_of(gpu0)["gpu-0-mig-2g48gbmeall-6"]
     assert consumed(half) == {**{f"memory-slice-{n}": "1" for n in range(6, 12)}, "instances-2g48gbmeall": "1"}
     assert half["capacity"]["memory"] == {"value": "48512Mi"} and half["capacity"]["decoders"] == {"value": "4"}
+
+
+def test_a_node_of_sixteen_mig_gpus_has_its_counter_sets_in_slices_of_eight() -> None:
+    fake = FakeNvml(load_node("hgx-16-nvswitch"))
+    for gpu in range(16):
+        carve_mig(fake, gpu, [])
+    backend = fake_backend(fake)
+    backend.init()
+    config = parse_config("version: v1\ndra: {enabled: true, dynamicMig: true}\n")
+    state = NodeState(version=1, inventory=backend.inventory(), config=config)
+    found = dynamic_slices(state, "n", DRIVER, 1, split=True)
+    names = [name for name, _ in found]
+    assert names == [MAIN, f"{MAIN}-counters", f"{MAIN}-counters-1", *(f"{MAIN}-gpu-{i}" for i in range(16))]
+    sets = {name: [c["name"] for c in spec["sharedCounters"]] for name, spec in found if "counters" in name}
+    assert sets == {f"{MAIN}-counters": [f"gpu-{i}-counter-set" for i in range(8)],
+                    f"{MAIN}-counters-1": [f"gpu-{i}-counter-set" for i in range(8, 16)]}
+    assert {spec["pool"]["resourceSliceCount"] for _, spec in found} == {19}
+    assert max(len(spec.get("devices") or []) for _, spec in found) <= 64

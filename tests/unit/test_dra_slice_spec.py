@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -202,16 +203,16 @@ def test_cdi_spec_with_a_driver_root_and_control_nodes() -> None:
 
 
 @pytest.mark.parametrize(("content", "problem"), [
-    ('{"version": 7, "claims": {}}', "{} is not a version 1 checkpoint"),
-    ('{"version": 1, "claims": []}', "{} is not a version 1 checkpoint"),
+    ('{"version": 7, "claims": {}}', "{} is version 7; this agent reads versions 1 and 2"),
+    ('{"version": 1, "claims": []}', "{} is damaged: no version and claims"),
     ('{"version": 1, "claims": {"u', "cannot read {}: not JSON (Unterminated string starting at: line 1 column 27 "
                                      "(char 26))"),
     (b'{"version": 1, "claims": {"\xff": {}}}', "cannot read {}: not UTF-8 text (byte 0xff at line 1)"),
     (None, "cannot read {}: is a FIFO, not a regular file"),
 ])
-def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: str | bytes | None,
-                                                     problem: str) -> None:
-    from agent.dra.claims import ClaimError, ClaimStore, Paths
+def test_a_damaged_checkpoint_is_kept_aside_in_one_line_and_the_agent_starts_with_no_claims(
+        tmp_path: Path, content: str | bytes | None, problem: str, caplog: pytest.LogCaptureFixture) -> None:
+    from agent.dra.claims import ClaimStore, Paths
 
     paths = Paths.under(tmp_path, DRIVER, tmp_path / "cdi")
     paths.checkpoint.parent.mkdir(parents=True)
@@ -221,9 +222,18 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path: Path, content: st
         paths.checkpoint.write_bytes(content)
     else:
         paths.checkpoint.write_text(content)
-    with pytest.raises(ClaimError) as err:
-        ClaimStore(paths, DRIVER)
-    assert str(err.value) == problem.format(f"the DRA checkpoint {paths.checkpoint}")
+    store = ClaimStore(paths, DRIVER)
+    assert store.claims == {}
+    kept = paths.checkpoint.parent / "checkpoint.json.corrupt"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("ERROR", (
+        f"{problem.format(f'the DRA checkpoint {paths.checkpoint}')}: kept as {kept}; starting with no prepared "
+        "claims, and removing no CDI spec or MIG device at start while that file is there (which claims own them "
+        "is unknown)"))]
+    assert not paths.checkpoint.exists()
+    if content is None:
+        assert stat.S_ISFIFO(kept.lstat().st_mode)
+    else:
+        assert kept.read_bytes() == (content if isinstance(content, bytes) else content.encode())
 
 
 @pytest.mark.parametrize(("brand", "published"), [(13, "NvidiaRTX"), (2, "Tesla"), (0, "Unknown"), (99, None)])
@@ -375,7 +385,7 @@ async def test_the_health_stream_has_prepared_devices_the_node_lost_as_unknown_a
     lost = await report()
     assert lost == [*whole, ("n", name, health.UNKNOWN)]
     assert await report() == lost  # nothing changed: the list again, for the kubelet's health timeout
-    plugin.unprepare("u1")
+    await plugin.unprepare("u1")
     assert await report() == whole
     await stream.aclose()
 
@@ -452,3 +462,103 @@ def test_memory_is_written_in_the_api_servers_canonical_form() -> None:
 
     assert [mib_quantity(m) for m in (81920, 81559, 40448, 1024, 1048576, 1536, 0)] == [
         "80Gi", "81559Mi", "40448Mi", "1Gi", "1Ti", "1536Mi", "0"]
+
+
+def shared(preset: str, replicas: int) -> NodeState:
+    """Every GPU of `preset` time-sliced into `replicas` replicas."""
+    state = node(preset)
+    config = parse_config("version: v1\nsharing: {timeSlicing: {resources: "
+                          f"[{{name: nvidia.com/gpu, replicas: {replicas}}}]}}}}\n")
+    return NodeState(version=1, inventory=state.inventory, config=config)
+
+
+def sizes(slices: list[tuple[str, dict[str, object]]]) -> list[tuple[str, int, int, str, str]]:
+    """Per slice: its name, its device count, resourceSliceCount, its first and last device."""
+    return [(name, len(spec["devices"]), spec["pool"]["resourceSliceCount"],  # type: ignore[arg-type, index]
+             spec["devices"][0]["name"], spec["devices"][-1]["name"])  # type: ignore[index]
+            for name, spec in slices]
+
+
+def test_a_node_with_more_devices_than_a_slice_takes_is_published_in_several() -> None:
+    from agent.dra.slices import pool_slices
+
+    main = "n-gpu.gpu-node-agent.io"
+    # 8 GPUs x 17 replicas: 136 devices, 128 a slice.
+    state = shared("dgx-h100", 17)
+    assert sizes(pool_slices(state, "n", DRIVER, 1)) == [
+        (main, 128, 2, "gpu-0-replica-0", "gpu-7-replica-8"),
+        (f"{main}-1", 8, 2, "gpu-7-replica-9", "gpu-7-replica-16")]
+    # A device with a taint: 64 a slice.
+    sick = state.evolve(health={state.inventory.gpus[5].uuid: DeviceHealth(False, "XID 48")})
+    assert sizes(pool_slices(sick, "n", DRIVER, 1, taints=True)) == [
+        (main, 64, 3, "gpu-0-replica-0", "gpu-3-replica-12"),
+        (f"{main}-1", 64, 3, "gpu-3-replica-13", "gpu-7-replica-8"),
+        (f"{main}-2", 8, 3, "gpu-7-replica-9", "gpu-7-replica-16")]
+    # 16 GPUs x 64 replicas: 1024 devices in 8 slices.
+    big = pool_slices(shared("hgx-16-nvswitch", 64), "n", DRIVER, 1)
+    assert [(n, c, k) for n, c, k, _, _ in sizes(big)] == [
+        (main if i == 0 else f"{main}-{i}", 128, 8) for i in range(8)]
+    assert all(spec["pool"] == {"name": "n", "generation": 1, "resourceSliceCount": 8} for _, spec in big)
+    # 8 GPUs x 16 replicas fit one slice, as before.
+    assert sizes(pool_slices(shared("dgx-h100", 16), "n", DRIVER, 1)) == [
+        (main, 128, 1, "gpu-0-replica-0", "gpu-7-replica-15")]
+
+
+async def test_the_publisher_writes_every_slice_of_the_pool_with_one_generation_and_follows_changes() -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    main = "n-gpu.gpu-node-agent.io"
+    state = shared("dgx-h100", 17)
+    api = StoredSlices(keeps_taints=True)
+    publisher = SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None)
+    assert await publisher.sync(state)
+    assert api.writes == [("create", False), ("create", False)]
+
+    def pool() -> dict[str, tuple[int, int, int]]:
+        return {name: (len(s["spec"]["devices"]), s["spec"]["pool"]["generation"],  # type: ignore[index]
+                       s["spec"]["pool"]["resourceSliceCount"]) for name, s in api.stored.items()}  # type: ignore[index]
+
+    assert pool() == {main: (128, 1, 2), f"{main}-1": (8, 1, 2)}
+    assert not await publisher.sync(state)  # unchanged: nothing written
+    assert len(api.writes) == 2
+    # A restarted agent finds its slices as it left them: nothing written.
+    again = SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None)
+    assert not await again.sync(state)
+    assert len(api.writes) == 2
+    # Fewer replicas: one slice again, the other deleted.
+    fewer = shared("dgx-h100", 2)
+    assert await again.sync(fewer)
+    assert pool() == {main: (16, 2, 1)}
+    # And more again: two slices, the next generation.
+    assert await again.sync(state)
+    assert pool() == {main: (128, 3, 2), f"{main}-1": (8, 3, 2)}
+
+
+class NodeSlices(StoredSlices):
+    """StoredSlices of an API server that has the Node (its UID "node-uid-1")."""
+
+    async def node_uid(self, node: str) -> str:
+        return "node-uid-1"
+
+
+async def test_the_slices_are_owned_by_their_node() -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    owner = [{"apiVersion": "v1", "kind": "Node", "name": "n", "uid": "node-uid-1", "controller": True}]
+    for state, names in ((node("a100-pcie-nvlink-pairs"), ["n-gpu.gpu-node-agent.io"]),
+                         (shared("dgx-h100", 17), ["n-gpu.gpu-node-agent.io", "n-gpu.gpu-node-agent.io-1"])):
+        # Written by an agent that gave no owner: written again, with the owner.
+        plain = StoredSlices(keeps_taints=True)
+        assert await SlicePublisher(plain, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert [s["metadata"].get("ownerReferences") for s in plain.stored.values()] == [  # type: ignore[attr-defined]
+            None] * len(names)
+        api = NodeSlices(keeps_taints=True)
+        api.stored, api.version = copy.deepcopy(plain.stored), plain.version
+        assert await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert sorted(api.stored) == names
+        assert [s["metadata"].get("ownerReferences") for s in api.stored.values()] == [  # type: ignore[attr-defined]
+            owner] * len(names)
+        # A restart finds them owned: nothing written.
+        writes = len(api.writes)
+        assert not await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert len(api.writes) == writes
