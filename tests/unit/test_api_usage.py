@@ -3,7 +3,6 @@ failure waits, what a Retry-After does, how a burst is paced; and the names requ
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import time
@@ -87,15 +86,21 @@ def test_an_answer_carries_its_retry_after_and_a_bounded_message() -> None:
     assert str(long) == "422 Invalid: " + "x" * 300 + "... (5000 characters)"
 
 
-async def test_a_burst_is_paced_to_the_rate() -> None:
-    loop = asyncio.get_running_loop()
-    bucket = TokenBucket(qps=50.0, burst=5)
-    started = loop.time()
+async def test_a_burst_is_paced_to_the_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """15 requests at 50 a second with bursts of 5: 5 at once, then one every 20 ms (on a clock that moves only
+    by what the bucket sleeps, so the machine's load cannot change the figures)."""
+    clock = Clock()
+
+    async def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    monkeypatch.setattr("agent.kube.client.asyncio.sleep", sleep)
+    bucket = TokenBucket(qps=50.0, burst=5, clock=clock)
+    started = clock.now
     waits = [await bucket.take() for _ in range(15)]
-    elapsed = loop.time() - started
     assert waits[:5] == [0.0] * 5  # the burst
-    assert all(w > 0 for w in waits[5:])
-    assert elapsed == pytest.approx(10 / 50.0, abs=0.08)
+    assert waits[5:] == pytest.approx([0.02] * 10)
+    assert clock.now - started == pytest.approx(10 / 50.0)
 
 
 def test_a_rate_limit_must_be_positive() -> None:
