@@ -27,8 +27,7 @@ from typing import Any
 import grpc
 
 from agent.config import AgentConfig
-from agent.deviceplugin.coreserver import CoreServer
-from agent.deviceplugin.server import STREAM_THREADS, device_plugin_methods
+from agent.deviceplugin.server import plugin_server
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.nvml.fake import FakeNvml
@@ -500,7 +499,7 @@ def build_go_bench() -> Path:
     return GO_BENCH
 
 
-class EmptyServicer:
+class EmptyServicer(api_pb2_grpc.DevicePluginServicer):
     """The DevicePlugin service doing nothing a Python server could skip: fixed answers, like the Go floor."""
 
     def __init__(self, ids: Sequence[str]) -> None:
@@ -508,37 +507,43 @@ class EmptyServicer:
             api_pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)})])
         self._devices = api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=i, health="Healthy") for i in ids])
 
-    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
 
-    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+    async def ListAndWatch(self, request: Any, context: Any) -> Any:
         yield self._devices
 
-    def Allocate(self, request: Any, context: Any) -> Any:
+    async def Allocate(self, request: Any, context: Any) -> Any:
         return self._allocate
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         return api_pb2.PreferredAllocationResponse(container_responses=[
             api_pb2.ContainerPreferredAllocationResponse(deviceIDs=c.available_deviceIDs[:c.allocation_size])
             for c in request.container_requests])
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
+    async def PreStartContainer(self, request: Any, context: Any) -> Any:
         return api_pb2.PreStartContainerResponse()
 
 
 def serve_empty(socket: Path, ids: Sequence[str]) -> None:
-    """The empty Python server until SIGTERM: the agent's server model (a CoreServer with the same methods and
-    stream threads, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
+    """The empty Python server until SIGTERM: the agent's server model (server.plugin_server: grpc.aio with the
+    agent's options, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
     difference."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    server = CoreServer(device_plugin_methods(EmptyServicer(ids)), "empty", STREAM_THREADS)
-    if not server.add_port(f"unix://{socket}"):
-        raise SystemExit(f"cannot listen on {socket}")
-    server.start()
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop()
-    server.cancel()
-    server.stopped.wait()
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            server = plugin_server(EmptyServicer(ids), f"unix://{socket}")  # type: ignore[arg-type]
+        except OSError as err:
+            raise SystemExit(f"cannot listen on {socket}: {err}") from None
+        await server.start()
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(serve())
 
 
 def _busy_seconds() -> float:
@@ -677,7 +682,7 @@ def _floor_figures(preset: str, devices: int, rounds: int, calls: int, series: l
         s.update(latency(s.pop("latency_ms")))
     return {"preset": preset, "devices": devices, "rounds": rounds, "calls": calls, "warmup": FLOOR_WARMUP,
             "chunk": FLOOR_CHUNK,
-            "servers": list(FLOOR_SERVERS), "agent_command": command, "stream_threads": STREAM_THREADS,
+            "servers": list(FLOOR_SERVERS), "agent_command": command,
             "pooled": pooled, "ratios": ratios, "series": series}
 
 
