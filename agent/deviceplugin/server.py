@@ -1,7 +1,8 @@
 """Serves each resource on its own unix socket, registers with the kubelet and follows kubelet restarts.
 
-Each resource's DevicePlugin service runs on a grpc.aio server of its own (`plugin_server`), on the agent's event
-loop, with explicit limits: the largest message it takes, keepalive, concurrent streams and calls. Registration,
+Each resource's DevicePlugin service runs on a grpc.aio server of its own (`plugin_server`, made by grpcserver.py
+as every gRPC server of the agent is), on the agent's event loop, with explicit limits: the largest message it
+takes (MAX_RECEIVE_BYTES), keepalive, concurrent streams and calls. Registration,
 the socket watch and the resource set run on the same loop.
 """
 
@@ -23,6 +24,7 @@ import grpc
 from agent.deviceplugin.dirwatch import DirWatch
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.grpcserver import aio_server
 from agent.metrics import Metrics
 from agent.state import StateBus
 
@@ -45,42 +47,12 @@ requires, every replica of a 16-GPU node with 1024 replicas each (the most a con
 characters (`GPU-<uuid>::1023`) in each of its two lists, 1,537,352 bytes; an Allocate naming every one of them is
 768,676 bytes (tests/unit/test_plugin_server.py builds both from the plan of hgx-16-nvswitch). 2 MiB leaves a
 third more than the largest."""
-MAX_SEND_BYTES = 64 * 1024 * 1024
-"""An Allocate answer grows with the devices it names (their device nodes and mounts); this only stops a runaway."""
-KEEPALIVE_TIME_MS = 60_000
-"""A connection with calls open and nothing received for this long is pinged; a client that does not answer
-within KEEPALIVE_TIMEOUT_MS is gone, and its ListAndWatch stream ends."""
-KEEPALIVE_TIMEOUT_MS = 20_000
-MIN_CLIENT_PING_MS = 10_000
-"""A client may ping this often (the kubelet's grpc-go sends none by default); more often, after
-MAX_PING_STRIKES pings, its connection is closed with GOAWAY."""
-MAX_PING_STRIKES = 2
-MAX_CONNECTION_STREAMS = 128
-"""Concurrent HTTP/2 streams (calls) one client connection may have open; the kubelet uses one or two."""
-MAX_CONCURRENT_CALLS = 512
-"""Calls one resource's server runs at once, all connections together; one beyond is refused with
-RESOURCE_EXHAUSTED."""
-
-
-def server_options() -> list[tuple[str, int]]:
-    """The channel arguments of every plugin server."""
-    return [
-        ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-        ("grpc.max_send_message_length", MAX_SEND_BYTES),
-        ("grpc.max_concurrent_streams", MAX_CONNECTION_STREAMS),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
-        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
-        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
-    ]
 
 
 def plugin_server(servicer: DevicePluginServicer, address: str) -> grpc.aio.Server:
     """A grpc.aio server of `servicer`'s DevicePlugin service listening on `address` (unix:///path), not yet
     started; OSError when the address cannot be bound."""
-    server = grpc.aio.server(options=server_options(), maximum_concurrent_rpcs=MAX_CONCURRENT_CALLS)
+    server = aio_server(MAX_RECEIVE_BYTES)
     api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)
     try:
         bound = server.add_insecure_port(address)
