@@ -202,8 +202,10 @@ def merge(base: dict[str, Any], partial: dict[str, Any], sections: frozenset[str
     (a run of those sections alone), and the partial run recorded under "remeasured"."""
     order = {name: i for i, name in enumerate((*SECTIONS, "cluster"))}
 
-    def place(row: dict[str, Any]) -> int:  # the API-client process rows stay beside the --no-kube ones
-        return order["process"] if row["id"].startswith("process_kube.") else order[_section_of_figure(row["id"])]
+    def place(row: dict[str, Any]) -> tuple[int, int]:  # the API-client process rows follow the --no-kube ones
+        if row["id"].startswith("process_kube."):
+            return order["process"], 1
+        return order[_section_of_figure(row["id"])], 0
 
     kept = [row for row in base["figures"] if _section_of_figure(row["id"]) not in sections]
     figures = sorted(kept + partial["figures"], key=place)
@@ -213,7 +215,9 @@ def merge(base: dict[str, Any], partial: dict[str, Any], sections: frozenset[str
                 if key != "sections" and _section_of_detail(key) in sections}
     details["sections"] = {key: value for key, value in base["details"]["sections"].items()
                            if _section_of_detail(key) not in sections} | partial["details"]["sections"]
-    remeasured = [r for r in base.get("remeasured", []) if not set(r["sections"]) <= sections]
+    remeasured = [r | {"sections": [name for name in r["sections"] if name not in sections]}
+                  for r in base.get("remeasured", [])]
+    remeasured = [r for r in remeasured if r["sections"]]  # an earlier run whose every section was measured again
     kept_keys = ("generated_by", "date", "duration_s", "seed", "plan", "machine")
     remeasured.append({key: partial[key] for key in kept_keys}
                       | {"sections": [name for name in SECTIONS if name in sections]})
