@@ -110,7 +110,7 @@ class Agent:
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
                                  dra.plugin.holders if dra is not None else list)
-        self.mps = MpsDaemons(bus)
+        self.mps = MpsDaemons(bus, control=options.mps_control)
         counts = getattr(options.kube, "counts", None)
         self.api_counts = counts if isinstance(counts, ApiCounts) else ApiCounts()
         """What the agent's API client sent and how its watches fared (for /metrics); zeros without one."""

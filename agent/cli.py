@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from agent import logsink
-from agent.config import ConfigError, load_config
-from agent.kube.usage import START_JITTER_S
+from agent.config import ConfigError, load_config, with_health_env
+from agent.kube.usage import START_JITTER_S, process_started
 from agent.nvml import MockStateError
 from agent.yamlfile import one_line
 
@@ -183,7 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from agent.daemon import AgentOptions, run_until_signal
 
     setup_logging(args.log_format)
-    config = load_config(args.config)
+    config, mapped = with_health_env(load_config(args.config), os.environ)
+    for line in mapped:
+        logging.getLogger("agent.config").info("%s", line)
     if not args.kubelet_dir.is_dir():
         raise CliError(f"kubelet directory {args.kubelet_dir} does not exist (set --kubelet-dir)")
     if not 0 <= args.metrics_port <= 65535:
@@ -201,7 +203,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             try:
                 kube = await NodeApi.connect(args.kubeconfig, args.node_name, args.kube_api_qps,
-                                             int(args.kube_api_burst), args.kube_start_jitter)
+                                             int(args.kube_api_burst), args.kube_start_jitter,
+                                             since=process_started())
             except Exception as err:  # the client raises several unrelated types for a bad config
                 raise CliError(f"cannot load API server credentials: {err}") from err
             from agent.kube.selfpod import NotTolerated, check_at_start
@@ -232,10 +235,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def inspect_view(backend: Any) -> dict[str, Any]:
     from agent.nvml.backend import NvmlBackend
+    from agent.nvml.records import node_clique
     from agent.topology.prefer import topology_of
 
     def read(b: NvmlBackend) -> dict[str, Any]:
         inv = b.inventory()
+        clique = node_clique(inv.gpus)
         health = [b.health(g.index) for g in inv.gpus]
         topo = topology_of(inv)
         return {
@@ -247,9 +252,15 @@ def inspect_view(backend: Any) -> dict[str, Any]:
                     "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
                     "numa_node": g.numa_node, "mig_capable": g.mig_capable, "mig_enabled": g.mig_enabled,
                     "mig_pending": g.mig_pending,
+                    "fabric": None if g.fabric is None else {
+                        "cluster_uuid": g.fabric.cluster_uuid, "clique_id": g.fabric.clique_id,
+                        "state": g.fabric.state, "status": g.fabric.status, "attached": g.fabric.attached},
                 }
                 for g in inv.gpus
             ],
+            "clique": clique.value,
+            "clique_problem": clique.problem,
+            "imex_channels": list(inv.imex_channels),
             "links": [{"gpus": [link.a, link.b], "nvlink": link.nvlink, "pcie": link.pcie} for link in inv.links],
             "pair_scores": topo.pair_scores(),
             "mig_devices": [
@@ -294,6 +305,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{g['memory_mib']:>5} MiB {numa:>4}  {mig}")
     print()
     print(render_matrix(topo))
+    fabrics = [(g["index"], g["fabric"]) for g in view["gpus"] if g["fabric"] is not None]
+    if fabrics:
+        print()
+        print("NVLink fabric:")
+        for index, f in fabrics:
+            attached = "attached" if f["attached"] else "not attached"
+            print(f"  GPU {index}: cluster {f['cluster_uuid']}  clique {f['clique_id']}  {f['state']}  "
+                  f"status {f['status']}  {attached}")
+        print(f"  clique: {view['clique'] or view['clique_problem'] or 'none (no GPU attached)'}")
+    if view["imex_channels"]:
+        print(f"IMEX channels: {', '.join(map(str, view['imex_channels']))}")
     if view["mig_devices"]:
         print()
         print("MIG devices:")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -654,3 +655,70 @@ def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
     except InputFileError as err:
         raise ConfigError(f"{chosen}: cannot read config: {err.reason}") from None
     return parse_config(text, str(chosen))
+
+
+DISABLE_HEALTH_ENV = "DP_DISABLE_HEALTHCHECKS"
+"""NVIDIA's device plugin: `all` (or anything holding `xids`) turns health checks off; else XIDs to ignore,
+separated by commas, beside the application errors it always ignores."""
+ENABLE_HEALTH_ENV = "DP_ENABLE_HEALTHCHECKS"
+"""NVIDIA's device plugin: XIDs that mark a GPU unhealthy whatever DP_DISABLE_HEALTHCHECKS says."""
+MAX_HEALTH_ENV = 4096
+"""The longest value either variable may have (a list of every XID is shorter)."""
+
+
+def _env_xids(name: str, value: str) -> tuple[bool, list[int]]:
+    """(whether the value turns every check off, its XIDs); ConfigError for anything else."""
+    if len(value) > MAX_HEALTH_ENV:
+        raise ConfigError(f"{name}: {len(value)} characters, more than the {MAX_HEALTH_ENV} it may have")
+    everything, xids = False, []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        if part.lower() in ("all", "xids"):
+            everything = True
+        elif part.isascii() and part.isdigit() and 1 <= int(part) <= 1023:
+            xids.append(int(part))
+        else:
+            raise ConfigError(f"{name}: {shown(part)} is not an XID (a number 1..1023), 'all' or 'xids'; "
+                              "expected XIDs separated by commas")
+    return everything, xids
+
+
+def with_health_env(config: AgentConfig, env: Mapping[str, str]) -> tuple[AgentConfig, list[str]]:
+    """The config with NVIDIA's device-plugin health variables applied over its health policy, and one line for
+    each variable that changed it (for the log). DP_DISABLE_HEALTHCHECKS=all makes every XID and every periodic
+    check `ignore` (health checking off, as there); listed XIDs become `ignore`. An XID in
+    DP_ENABLE_HEALTHCHECKS (`all`: every XID) keeps its action when that marks the GPU unhealthy or worse and is
+    `unhealthy` otherwise, whatever the first says. A value that is not one of these: ConfigError, one line."""
+    disable, enable = env.get(DISABLE_HEALTH_ENV, ""), env.get(ENABLE_HEALTH_ENV, "")
+    everything, ignored = _env_xids(DISABLE_HEALTH_ENV, disable)
+    enable_all, enabled = _env_xids(ENABLE_HEALTH_ENV, enable)
+    if enable_all:
+        enabled = sorted({*config.health.xid, *ignored, *enabled})
+    if not (everything or ignored or enabled or enable_all):
+        return config, []
+    health = config.health
+    xid = dict(health.xid)
+    said = []
+    if everything:
+        xid = {x: "ignore" for x in xid}
+        checks = health.checks.model_copy(update={name: "ignore" for name in CheckActions.model_fields})
+        health = health.model_copy(update={"xid_default": "ignore", "checks": checks})
+        said.append(f"{DISABLE_HEALTH_ENV}={disable}: every XID and health check ignored")
+    else:
+        xid.update({x: "ignore" for x in ignored})
+        if ignored:
+            said.append(f"{DISABLE_HEALTH_ENV}={disable}: XIDs {', '.join(map(str, sorted(set(ignored))))} "
+                        "ignored")
+    def enabled_action(before: Action) -> Action:
+        return before if before in ("unhealthy", "node-fatal") else "unhealthy"
+
+    for x in enabled:
+        xid[x] = enabled_action(config.health.xid_action(x))
+    if enable_all:
+        health = health.model_copy(update={"xid_default": enabled_action(config.health.xid_default)})
+        said.append(f"{ENABLE_HEALTH_ENV}={enable}: every XID marks its GPU unhealthy or worse")
+    elif enabled:
+        said.append(f"{ENABLE_HEALTH_ENV}={enable}: " + ", ".join(
+            f"XID {x} {xid[x]}" for x in sorted(set(enabled))))
+    return config.model_copy(update={"health": health.model_copy(update={"xid": xid})}), said

@@ -31,7 +31,9 @@ from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
 from agent.locks import DirectoryLock, Held
 from agent.metrics import HttpEndpoint, Metrics
+from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
+from agent.nvml.records import node_clique
 from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
 
@@ -57,6 +59,9 @@ class AgentOptions:
     """The agent's own Node in the API server; None runs without one (--no-kube)."""
     config_path: Path | None = None
     """Where `config` came from; the agent reloads it on SIGHUP or when the file changes."""
+    mps_control: Control | None = None
+    """How the MPS control daemons are reached; None: the driver's nvidia-cuda-mps-control (`simulate` gives
+    its simulated daemon)."""
 
 
 class NvmlThread:
@@ -176,9 +181,12 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
             idle = IdleAgent(footing, f"serving nothing: {err} (flags.failOnInitError is false)")
             log.error("%s", idle.reason)
             return idle
-        files = read_node_files()
+        files = read_node_files(state.inventory.imex_channels)
         for line in check_on_node(options.config, state, options.kubelet_dir, files):
             log.warning("%s", line)
+        clique = node_clique(state.inventory.gpus)
+        if clique.problem is not None:  # as GPU feature discovery warns, once, and labels no clique
+            logging.getLogger("agent.labels").warning("nvidia.com/gpu.clique: %s", clique.problem)
         bus = StateBus(state)
         agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing),
                       hangup if hangup is not None else asyncio.Event())

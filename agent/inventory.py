@@ -268,8 +268,10 @@ def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
         shared_names.add(target)
         devices.setdefault(target, [])
         if strategy == "mps" and state.mps.get(unit.gpu_uuid) != "":
-            why = state.mps.get(unit.gpu_uuid) or "starting"
-            waiting.append(f"GPU {unit.index} ({why})")
+            # Withheld until the daemon is up; only a daemon that failed is a problem (a start takes moments).
+            why = state.mps.get(unit.gpu_uuid)
+            if why:
+                waiting.append(f"GPU {unit.index} ({why})")
             continue
         devices[target].extend(
             Device(f"{unit.id}{REPLICA_SEPARATOR}{n}", unit.healthy, unit.numa, unit.gpu_index, unit.gpu_uuid,

@@ -6,7 +6,7 @@ from collections import Counter
 
 from agent.config import AgentConfig, ReplicatedResource
 from agent.inventory import GPU_RESOURCE, mig_resource, sanitise
-from agent.nvml.records import GpuInfo, MigDeviceInfo
+from agent.nvml.records import GpuInfo, MigDeviceInfo, node_clique
 from agent.state import NodeState
 
 OWN_PREFIX = "gpu-node-agent.io/"
@@ -154,7 +154,8 @@ def _nvlink_groups(state: NodeState) -> list[set[int]]:
 
 def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     """Every label GPU feature discovery publishes for the node (same names and value formats, including the
-    deprecated cuda.driver.* and cuda.runtime.*), then the agent's own topology labels."""
+    deprecated cuda.driver.* and cuda.runtime.*, and gpu.clique where the node's fabric-attached GPUs share one
+    clique: `node_clique`), then the agent's own topology labels."""
     inv = state.inventory
     labels: dict[str, str] = {}
     driver = inv.driver.version.split(".")
@@ -183,6 +184,9 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     mps = config.sharing.strategy == "mps"
     labels["nvidia.com/mps.capable"] = str(mps and not any(g.mig_enabled for g in inv.gpus)).lower()
     labels["nvidia.com/gpu.mode"] = _gpu_mode(inv.gpus)
+    clique = node_clique(inv.gpus).value
+    if clique is not None:
+        labels["nvidia.com/gpu.clique"] = clique
     labels.update(_gpu_labels(state, config))
     labels.update(_mig_labels(state, config))
     numa = [g.numa_node for g in inv.gpus]
@@ -208,7 +212,7 @@ OWNED_NVIDIA_KEYS = frozenset(
         "gpu.product", "gpu.memory", "gpu.family", "gpu.compute.major", "gpu.compute.minor", "gpu.replicas",
         "gpu.sharing-strategy", "gpu.multiprocessors", "gpu.slices.gi", "gpu.slices.ci", "gpu.engines.copy",
         "gpu.engines.decoder", "gpu.engines.encoder", "gpu.engines.jpeg", "gpu.engines.ofa", "mig.capable",
-        "mps.capable", "mig.strategy", "mig.config.state",
+        "mps.capable", "mig.strategy", "mig.config.state", "gpu.clique",
     )
 )
 

@@ -11,6 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from agent.config import AgentConfig
 from agent.inventory import mps_shared_gpus
@@ -66,6 +67,27 @@ class ControlError(RuntimeError):
     """The control program failed; the message is one line."""
 
 
+class Control(Protocol):
+    """How the agent reaches the driver's MPS control program: on a node, by running it (`ProgramControl`)."""
+
+    def program(self, config: AgentConfig) -> str | None:
+        """The control program, or None when there is none."""
+
+    async def __call__(self, spec: DaemonSpec, *args: str, command: str | None = None) -> str:
+        """Run the control program once (with -d it starts the daemon; otherwise it sends `command` to the
+        daemon of the spec's pipe directory); its output, or ControlError."""
+
+
+class ProgramControl:
+    """Runs the driver's nvidia-cuda-mps-control as a process."""
+
+    def program(self, config: AgentConfig) -> str | None:
+        return control_program(config)
+
+    async def __call__(self, spec: DaemonSpec, *args: str, command: str | None = None) -> str:
+        return await _control(spec, *args, command=command)
+
+
 async def _control(spec: DaemonSpec, *args: str, command: str | None = None) -> str:
     """Run the control program once (with -d it starts the daemon; otherwise it sends `command` on stdin)."""
     try:
@@ -94,9 +116,10 @@ async def _control(spec: DaemonSpec, *args: str, command: str | None = None) -> 
 class MpsDaemons:
     """Keeps NodeState.mps true to the daemons it runs."""
 
-    def __init__(self, bus: StateBus, interval: float = CHECK_INTERVAL_S) -> None:
+    def __init__(self, bus: StateBus, interval: float = CHECK_INTERVAL_S, control: Control | None = None) -> None:
         self._bus = bus
         self._interval = interval
+        self._control = control or ProgramControl()
         self._running: dict[str, DaemonSpec] = {}
 
     def wanted(self, state: NodeState) -> dict[str, DaemonSpec] | str:
@@ -104,7 +127,7 @@ class MpsDaemons:
         shared = mps_shared_gpus(state)
         if not shared:
             return {}
-        program = control_program(state.config)
+        program = self._control.program(state.config)
         if program is None:
             return (f"{CONTROL} not found under {state.config.flags.plugin.container_driver_root}/usr/bin "
                     "or on PATH")
@@ -147,7 +170,7 @@ class MpsDaemons:
             return ""
         if spec.gpu_uuid in self._running:
             try:
-                await _control(spec, command="get_default_active_thread_percentage")
+                await self._control(spec, command="get_default_active_thread_percentage")
                 return ""
             except ControlError as err:
                 log.warning("MPS control daemon of GPU %d stopped answering (%s); restarting it", spec.gpu_index, err)
@@ -159,9 +182,9 @@ class MpsDaemons:
         except OSError as err:
             return f"cannot make the MPS directories under {spec.root}: {err.strerror}"
         try:
-            await _control(spec, "-d")
+            await self._control(spec, "-d")
             for command in spec.limits:
-                await _control(spec, command=command)
+                await self._control(spec, command=command)
         except ControlError as err:
             log.error("MPS control daemon of GPU %d did not start: %s", spec.gpu_index, err)
             return str(err)
@@ -172,7 +195,7 @@ class MpsDaemons:
 
     async def _stop(self, spec: DaemonSpec) -> None:
         try:
-            await _control(spec, command="quit")
+            await self._control(spec, command="quit")
             log.info("MPS control daemon of GPU %d stopped", spec.gpu_index)
         except ControlError as err:
             log.warning("MPS control daemon of GPU %d did not stop cleanly: %s", spec.gpu_index, err)

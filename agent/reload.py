@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from agent.checks import StartupError, check_on_node, check_paths, machine_type, start_only_changes
-from agent.config import ConfigError, config_file, load_config
+from agent.config import ConfigError, config_file, load_config, with_health_env
 from agent.deviceplugin.response import NodeFiles
 from agent.metrics import Metrics
 from agent.state import StateBus
@@ -45,7 +46,7 @@ class ConfigReload:
             raise ValueError("the agent was started without a config file to reload")
         name = self.bus.current.config_request
         try:
-            new = load_config(path, name)
+            new, _ = with_health_env(load_config(path, name), os.environ)
         except ConfigError as err:
             return await self._reject(str(err))
         if new == self.bus.current.config:

@@ -1,4 +1,4 @@
-"""An embedded kubelet stand-in and an in-memory Node, for `gpu-agent simulate`."""
+"""An embedded kubelet stand-in, an in-memory Node and the driver's MPS control daemon, for `gpu-agent simulate`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from agent.config import AgentConfig
 from agent.daemon import AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.kube.view import Condition, Conflict, NodeView
+from agent.mps import CONTROL, ControlError, DaemonSpec
 from agent.nvml.backend import NvmlBackend
 
 SETTLE_TIMEOUT_S = 20.0
@@ -211,6 +212,48 @@ class InMemoryNode:
         """Nothing to wait for: the in-memory Node has no start jitter."""
 
 
+class SimulatedMpsControl:
+    """The driver's MPS control daemon on a simulated node, answering as nvidia-cuda-mps-control does: `-d`
+    starts a daemon for the spec's pipe directory (refused while one runs there), a command goes to that daemon
+    (refused when none runs), `quit` stops it. Nothing runs outside the agent; `run` on a node uses the
+    driver's program."""
+
+    PROGRAM = f"{CONTROL} (simulated)"
+
+    def __init__(self) -> None:
+        self.daemons: dict[str, dict[str, str]] = {}
+        """The running daemons by pipe directory: their settings."""
+
+    def program(self, config: AgentConfig) -> str | None:
+        return self.PROGRAM
+
+    async def __call__(self, spec: DaemonSpec, *args: str, command: str | None = None) -> str:
+        pipe = spec.env["CUDA_MPS_PIPE_DIRECTORY"]
+        if args:
+            if args != ("-d",):
+                raise ControlError(f"{CONTROL} {' '.join(args)} exited 2: unknown arguments")
+            if pipe in self.daemons:
+                raise ControlError(f"{CONTROL} -d exited 1: An instance of this daemon is already running")
+            self.daemons[pipe] = {"active_thread_percentage": "100.0", "pinned_mem_limit": ""}
+            return ""
+        settings = self.daemons.get(pipe)
+        if settings is None:
+            raise ControlError(f"{CONTROL} {command} exited 1: Cannot find MPS control daemon process")
+        word, *rest = (command or "").split() or [""]
+        if word == "set_default_active_thread_percentage" and len(rest) == 1:
+            settings["active_thread_percentage"] = f"{float(rest[0]):.1f}"
+            return settings["active_thread_percentage"]
+        if word == "get_default_active_thread_percentage":
+            return settings["active_thread_percentage"]
+        if word == "set_default_device_pinned_mem_limit" and len(rest) == 2:
+            settings["pinned_mem_limit"] = rest[1]
+            return ""
+        if word == "quit":
+            del self.daemons[pipe]
+            return ""
+        return f"unknown command {word}"
+
+
 async def _settle(agent: Agent, kubelet: StandInKubelet, node: InMemoryNode, xids_injected: int) -> None:
     """Wait until injected XIDs were seen, the kubelet holds the agent's device lists and the node converged."""
     reconciler = agent.reconciler
@@ -245,9 +288,12 @@ async def simulate(
         kubelet = StandInKubelet(directory)
         await kubelet.start()
         node = InMemoryNode(node_name)
+        # The simulated MPS daemons' pipe and log directories go with the simulated node's.
+        flags = config.flags.model_copy(update={"mps_root": directory / "mps"})
         try:
             agent = await Agent.start(
-                backend, AgentOptions(config=config, kubelet_dir=directory, metrics_port=None, kube=node))
+                backend, AgentOptions(config=config.model_copy(update={"flags": flags}), kubelet_dir=directory,
+                                      metrics_port=None, kube=node, mps_control=SimulatedMpsControl()))
         except BaseException:
             await kubelet.stop()
             raise

@@ -63,7 +63,8 @@ for _path in (ROOT / "tests" / "integration", ROOT):
         sys.path.insert(0, str(_path))
 
 import apiserver as rig  # noqa: E402
-from dra_rig import AGENT_RULES  # noqa: E402
+import yaml  # noqa: E402
+from dra_rig import AGENT_RULES, REPO  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 
 from bench import report  # noqa: E402
@@ -188,7 +189,31 @@ def agent_kubeconfigs(server: rig.ApiServer, n: int) -> list[Path]:
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROLE},
         "subjects": [{"kind": "ServiceAccount", "name": account(i), "namespace": NAMESPACE} for i in range(n)],
     })
-    return [server.service_account_kubeconfig(account(i), NAMESPACE) for i in range(n)]
+    kubeconfigs = [server.service_account_kubeconfig(account(i), NAMESPACE) for i in range(n)]
+    # As the DaemonSet: a Role to read the agents' own Pods, and a Pod of each agent, bound to its Node (no
+    # kubelet runs it), so that each agent's start check reads its Pod as it does in a cluster.
+    role = yaml.safe_load((REPO / "daemonset" / "role.yaml").read_text())
+    rbac.create_namespaced_role(NAMESPACE, {"metadata": {"name": ROLE}, "rules": role["rules"]})
+    rbac.create_namespaced_role_binding(NAMESPACE, {
+        "metadata": {"name": ROLE},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": account(i), "namespace": NAMESPACE} for i in range(n)],
+    })
+    tolerations = yaml.safe_load((REPO / "daemonset" / "daemonset.yaml").read_text())[
+        "spec"]["template"]["spec"]["tolerations"]
+    core = k8s.CoreV1Api(admin)
+    for i in range(n):
+        core.create_namespaced_pod(NAMESPACE, {
+            "metadata": {"name": pod_name(i)},
+            "spec": {"nodeName": node_name(i), "serviceAccountName": account(i),
+                     "automountServiceAccountToken": False, "tolerations": tolerations,
+                     "containers": [{"name": "agent", "image": "gpu-node-agent"}]},
+        })
+    return kubeconfigs
+
+
+def pod_name(i: int) -> str:
+    return f"gpu-node-agent-{i:03d}"
 
 
 # --- the audit log ------------------------------------------------------------------------------------------
@@ -320,7 +345,9 @@ class Fleet:
 
     def start(self, indices: range | list[int]) -> None:
         for i in indices:
-            self.procs[i] = rig._spawn(self.argv(i), self.directories[i] / "agent.log")
+            # env(1) execs the agent in the same process: its Pod as the downward API would name it.
+            pod = ["env", f"POD_NAME={pod_name(i)}", f"POD_NAMESPACE={NAMESPACE}"]
+            self.procs[i] = rig._spawn([*pod, *self.argv(i)], self.directories[i] / "agent.log")
 
     def stop(self, grace: float = 20.0) -> dict[int, int | None]:
         """SIGTERM to every agent at once, SIGKILL to those still running after `grace`; their exit codes."""

@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
+from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name, imex_channel_node
 from agent.dra.claims import ClaimError, ClaimReader, ClaimStore, Prepared
 from agent.dra.dynamic import DynamicMig, DynamicMigError
 from agent.dra.opaque import ConfigProblem, device_env
-from agent.dra.slices import mig_device_name, replica_name, shared_gpus
+from agent.dra.slices import channel_name, mig_device_name, published_channels, replica_name, shared_gpus
 from agent.mps_client import mps_client
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
@@ -161,6 +161,8 @@ class Preparer:
             known[mig_device_name(mig)] = (mig.uuid, [f"/dev/nvidia{minors[mig.parent_index]}", *caps])
         if self._dynamic is not None:  # made at Prepare: the UUID and nodes are known only then
             known.update({name: ("", []) for name in self._dynamic.devices(state)})
+        # An IMEX channel: no GPU to make visible, its device node (cdi.claim_spec adds NVIDIA_IMEX_CHANNELS).
+        known.update({channel_name(c): ("", [imex_channel_node(c)]) for c in published_channels(state)})
         return known
 
     def holders(self) -> list[DeviceHolder]:

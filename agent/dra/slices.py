@@ -6,8 +6,11 @@ NVLink cliques the link matrix shows, and the capacities `memory` and `multiproc
 MIG-enabled GPU a device named gpu-<index>-mig-<gi>-<ci> with its profile, parent and placement, its GPU's
 model, driver and topology attributes, and its memory and engines; a GPU the sharing config shares
 (time-slicing, or MPS once the GPU's daemon is up) is published as its N replicas, gpu-<index>-replica-<n>.
-The devices of unhealthy GPUs and of GPUs whose MIG layout is changing are left out; where the API server
-keeps device taints, unhealthy devices stay in with a `<driver>/unhealthy` taint instead.
+Every device of a GPU attached to a multi-node NVLink fabric carries its `clique` (<cluster UUID>.<clique ID>).
+With imex.channelIDs, each IMEX channel whose device node the node has is a device of its own, channel-<id>, as
+NVIDIA's DRA driver names it. The devices of unhealthy GPUs and of GPUs whose MIG layout is changing are left
+out; where the API server keeps device taints, unhealthy devices stay in with a `<driver>/unhealthy` taint
+instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Protocol
 
 from agent.inventory import GPU_RESOURCE, Resource, mps_shared_gpus, plan
 from agent.nvml.catalog import MODELS
-from agent.nvml.records import short_bus_id
+from agent.nvml.records import FabricInfo, node_clique, short_bus_id
 from agent.state import DeviceHealth, NodeState
 from agent.topology.model import Topology
 from agent.topology.prefer import topology_of
@@ -69,6 +72,8 @@ class GpuInfo(Protocol):
     def mig_enabled(self) -> bool: ...
     @property
     def brand(self) -> int | None: ...
+    @property
+    def fabric(self) -> FabricInfo | None: ...
 
 
 class MigInfo(Protocol):
@@ -294,7 +299,28 @@ def gpu_attributes(gpu: GpuInfo, state: NodeState, cliques: Cliques,
                       ("nvlinkDomain", cliques.domain)):
         if gpu.index in ids:
             attributes[name] = {"int": ids[gpu.index]}
+    if gpu.fabric is not None and gpu.fabric.attached:
+        attributes["clique"] = {"string": gpu.fabric.clique}
     return attributes
+
+
+def channel_name(channel: int) -> str:
+    """channel-<id>: an IMEX channel, named as NVIDIA's DRA driver names its channel devices."""
+    return f"channel-{channel}"
+
+
+def published_channels(state: NodeState) -> list[int]:
+    """The IMEX channels the slice offers: those imex.channelIDs asks for whose device nodes the node has."""
+    return [c for c in state.config.imex.channel_ids if c in state.inventory.imex_channels]
+
+
+def channel_device(channel: int, clique: str | None) -> dict[str, Any]:
+    """An IMEX channel as a device: `type` channel and `id` its number, as NVIDIA's DRA driver publishes them,
+    and the node's `clique` where its fabric-attached GPUs share one."""
+    attributes: dict[str, dict[str, Any]] = {"type": {"string": "channel"}, "id": {"int": channel}}
+    if clique is not None:
+        attributes["clique"] = {"string": clique}
+    return {"name": channel_name(channel), "attributes": attributes}
 
 
 def gpu_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
@@ -354,11 +380,13 @@ def slice_spec(state: NodeState, node: str, driver: str, generation: int,
     for gpu, device in devices:
         if found := health_taints(state.gpu_health(gpu.uuid), driver):
             device["taints"] = found
+    clique = node_clique(state.inventory.gpus).value
+    channels = [channel_device(c, clique) for c in published_channels(state)]
     return {
         "driver": driver,
         "nodeName": node,
         "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-        "devices": [device for _, device in devices],
+        "devices": [*(device for _, device in devices), *channels],
     }
 
 

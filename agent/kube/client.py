@@ -106,14 +106,17 @@ class ApiClient:
     """Requests to the API server with the agent's credentials, one aiohttp session, one rate limit."""
 
     def __init__(self, credentials: Credentials, qps: float = DEFAULT_QPS, burst: int = DEFAULT_BURST,
-                 start_jitter_s: float = 0.0, rng: random.Random | None = None) -> None:
-        """`start_jitter_s`: requests wait until a random moment within that many seconds of now (0: none),
-        except those sent `urgent` and all of them once `start_now()` was called."""
+                 start_jitter_s: float = 0.0, rng: random.Random | None = None,
+                 since: float | None = None) -> None:
+        """`start_jitter_s`: requests wait until a random moment within that many seconds of `since` (a
+        time.monotonic(); default now), except those sent `urgent` and all of them once `start_now()` was
+        called. 0: no wait."""
         self.credentials = credentials
         self.limit = TokenBucket(qps, burst)
         self._session: aiohttp.ClientSession | None = None
         self.counts = ApiCounts()
-        self.opens_at = time.monotonic() + (rng or random.Random()).uniform(0.0, max(0.0, start_jitter_s))
+        self.opens_at = ((time.monotonic() if since is None else since)
+                         + (rng or random.Random()).uniform(0.0, max(0.0, start_jitter_s)))
         """When requests may go (time.monotonic()); the start jitter's end."""
         self._started: asyncio.Event | None = None
 

@@ -78,12 +78,13 @@ class NodeApi:
 
     @classmethod
     async def connect(cls, kubeconfig: Path | None, node_name: str, qps: float = DEFAULT_QPS,
-                      burst: int = DEFAULT_BURST, start_jitter_s: float = 0.0) -> NodeApi:
+                      burst: int = DEFAULT_BURST, start_jitter_s: float = 0.0,
+                      since: float | None = None) -> NodeApi:
         """The client of the kubeconfig's current context (in-cluster credentials without one), with a rate
         limit of `qps` requests a second on average and bursts of `burst`, whose first requests wait until a
-        random moment within `start_jitter_s` of now (ApiClient)."""
+        random moment within `start_jitter_s` of `since` (default now; ApiClient)."""
         credentials = from_kubeconfig(kubeconfig) if kubeconfig is not None else in_cluster()
-        return cls(ApiClient(credentials, qps, burst, start_jitter_s), node_name)
+        return cls(ApiClient(credentials, qps, burst, start_jitter_s, since=since), node_name)
 
     def start_now(self) -> None:
         """Requests go at once from now on, the start jitter or not (a fault must reach the Node)."""

@@ -9,10 +9,12 @@ jittered, capped, and reset only after a success that lasted."""
 from __future__ import annotations
 
 import collections
+import os
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
@@ -61,8 +63,23 @@ CAP_JITTER = 0.3
 
 START_JITTER_S = 12.0
 """`gpu-agent run`'s default: an agent's first request to the API server goes at a random moment within this
-many seconds of its start, so that a fleet started at once (a rollout with maxUnavailable 100%, nodes booted
-together) reaches the API server spread over this long, as after an API server restart (Backoff's first retry)."""
+many seconds of its process's start (`process_started`), so that a fleet started at once (a rollout with
+maxUnavailable 100%, nodes booted together) reaches the API server spread over this long, as after an API server
+restart (Backoff's first retry). Counted from the process's start, not from when the client was made, so that a
+slow start (a busy node) is not added to the jitter: an agent is never later than its start plus this."""
+
+
+def process_started(stat: Path = Path("/proc/self/stat")) -> float:
+    """When this process started, on time.monotonic()'s clock: from the start time in `stat` (clock ticks since
+    boot, suspend included), or now where that cannot be read."""
+    now = time.monotonic()
+    try:
+        # The fields after "pid (comm)": the state is the first, the start time the 20th.
+        ticks = int(stat.read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - min(max(0.0, age), now)
 
 
 class Backoff:

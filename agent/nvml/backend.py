@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import uuid as uuidlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +16,18 @@ from typing import Any
 
 import pynvml
 
-from agent.nvml.records import DriverInfo, GpuInfo, HealthReading, MigDeviceInfo, NodeInventory, PairLink, XidEvent
-from agent.nvml.sysfs import sysfs_numa_node, sysfs_pci_class
+from agent.nvml.records import (
+    FABRIC_STATES,
+    DriverInfo,
+    FabricInfo,
+    GpuInfo,
+    HealthReading,
+    MigDeviceInfo,
+    NodeInventory,
+    PairLink,
+    XidEvent,
+)
+from agent.nvml.sysfs import dev_imex_channels, sysfs_numa_node, sysfs_pci_class
 
 PCIE_LEVELS: dict[int, str] = {
     pynvml.NVML_TOPOLOGY_INTERNAL: "single",
@@ -43,6 +54,7 @@ WHOLE_GPU = 0xFFFFFFFF
 """gpuInstanceId/computeInstanceId of an event that concerns the whole GPU."""
 
 NumaLookup = Callable[[str], int | None]
+ImexLookup = Callable[[], tuple[int, ...]]
 
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used: no driver, no library, or initialisation failed."""
@@ -71,6 +83,7 @@ class NvmlBackend:
     lib: Any
     numa_lookup: NumaLookup = sysfs_numa_node
     pci_class_lookup: NumaLookup = sysfs_pci_class
+    imex_lookup: ImexLookup = dev_imex_channels
     _handles: list[Any] = field(default_factory=list)
     _uuid_by_handle: dict[int | None, str] = field(default_factory=dict)
     """GPU UUIDs by handle address, read at init: an event from a GPU that is off the bus still names it."""
@@ -137,6 +150,7 @@ class NvmlBackend:
             gpus=gpus,
             links=self._links(gpus),
             mig_devices=tuple(d for g in gpus if g.mig_enabled for d in self.mig_devices(g.index)),
+            imex_channels=self.imex_lookup(),
         )
 
     def _gpu(self, index: int, h: Any) -> GpuInfo:
@@ -175,6 +189,31 @@ class NvmlBackend:
             pci_class=self.pci_class_lookup(bus_id),
             virtualization_mode=virtualization,
             brand=brand,
+            fabric=self._fabric(h),
+        )
+
+    def _fabric(self, h: Any) -> FabricInfo | None:
+        """The GPU's fabric through nvmlDeviceGetGpuFabricInfoV (its v2 struct); where the driver predates it
+        (FUNCTION_NOT_FOUND), through nvmlDeviceGetGpuFabricInfo. None where neither call is supported: a GPU
+        without a fabric (NOT_SUPPORTED) or a driver with neither call."""
+        lib = self.lib
+        info: Any = pynvml.c_nvmlGpuFabricInfoV_t()
+        try:
+            lib.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+        except pynvml.NVMLError_NotSupported:
+            return None
+        except pynvml.NVMLError_FunctionNotFound:
+            info = pynvml.c_nvmlGpuFabricInfo_t()
+            try:
+                lib.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+                return None
+        state = int(info.state)
+        return FabricInfo(
+            cluster_uuid=str(uuidlib.UUID(bytes=bytes(info.clusterUuid))),
+            clique_id=int(info.cliqueId),
+            state=FABRIC_STATES[state] if 0 <= state < len(FABRIC_STATES) else f"state-{state}",
+            status=int(info.status),
         )
 
     def _nvlinks(self, h: Any) -> Iterator[tuple[bool, str]]:
@@ -364,6 +403,8 @@ def open_backend(selector: str, mock_state: Path | None = None) -> NvmlBackend:
 
 
 def fake_backend(fake: Any) -> NvmlBackend:
-    """A backend over the fake NVML, with the sysfs facts (NUMA node, PCI class) the fake's node gives."""
-    return NvmlBackend(lib=fake, numa_lookup=fake.numa_node, pci_class_lookup=fake.pci_class)
+    """A backend over the fake NVML, with the sysfs facts (NUMA node, PCI class) and the IMEX channel device
+    nodes the fake's node gives."""
+    return NvmlBackend(lib=fake, numa_lookup=fake.numa_node, pci_class_lookup=fake.pci_class,
+                       imex_lookup=fake.imex_channels)
 

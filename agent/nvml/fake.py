@@ -74,6 +74,11 @@ class FakeNvml(FakeFaults):
         normalized = normalize_bus_id(bus_id)
         return PCI_3D_CONTROLLER if normalized is not None and normalized in self._by_bus else None
 
+    def imex_channels(self) -> tuple[int, ...]:
+        """The IMEX channels whose device nodes the node has (/dev/nvidia-caps-imex-channels/channel<N>), from
+        its node file's `imex_channels`."""
+        return self.spec.imex_channels
+
     def numa_node(self, bus_id: str) -> int | None:
         """The NUMA node Linux would report for a PCI device (sysfs ``numa_node``); None when unknown."""
         normalized = normalize_bus_id(bus_id)

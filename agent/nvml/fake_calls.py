@@ -3,16 +3,18 @@ topology and NVLink, events, health."""
 
 from __future__ import annotations
 
+import ctypes
 import time
+import uuid as uuidlib
 from typing import Any
 
 import pynvml
 
 from agent.nvml.catalog import MIB
-from agent.nvml.fake_handles import KIND_EVENT_SET, KIND_MIG, PCIE_TOPOLOGY, Ref, text_arg
+from agent.nvml.fake_handles import KIND_EVENT_SET, KIND_MIG, PCIE_TOPOLOGY, Ref, referent, text_arg
 from agent.nvml.fake_mig import FakeMig
 from agent.nvml.fake_state import EventSet, api_call, nvml_error
-from agent.nvml.nodefile import normalize_bus_id
+from agent.nvml.nodefile import FabricSpec, normalize_bus_id
 
 SUPPORTED_EVENTS = (
     pynvml.nvmlEventTypeSingleBitEccError
@@ -229,6 +231,58 @@ class FakeCalls(FakeMig):
         _, end = self._active_link(handle, link)
         kind = pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH if end.to_switch else pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
         return int(kind)
+
+    # --- the multi-node NVLink fabric --------------------------------------------------------------
+
+    @api_call()
+    def nvmlDeviceGetGpuFabricInfoV(self, device: Any, gpuFabricInfo: Any) -> int:
+        """Fill the caller's nvmlGpuFabricInfo_v2 or _v3 struct (passed by reference, its `version` set as
+        pynvml's constructor sets it) from the node file's fabric: INVALID_ARGUMENT without a struct,
+        ARGUMENT_VERSION_MISMATCH for a version the driver does not know or a struct of another size,
+        NOT_SUPPORTED for a GPU without a fabric. The health mask (and v3's summary) say NOT_SUPPORTED: the fake
+        does not model the fabric's health."""
+        fabric = self._fabric_of(device)
+        info = self._fabric_struct(gpuFabricInfo)
+        sizes = {pynvml.nvmlGpuFabricInfo_v2: ctypes.sizeof(pynvml.c_nvmlGpuFabricInfo_v2_t),
+                 pynvml.nvmlGpuFabricInfo_v3: ctypes.sizeof(pynvml.c_nvmlGpuFabricInfo_v3_t)}
+        version = int(getattr(info, "version", 0))
+        if sizes.get(version) != ctypes.sizeof(info):
+            raise nvml_error(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if fabric is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._fill_fabric(info, fabric)
+        info.healthMask = 0
+        if version == pynvml.nvmlGpuFabricInfo_v3:
+            info.healthSummary = pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED
+        return int(pynvml.NVML_SUCCESS)
+
+    @api_call()
+    def nvmlDeviceGetGpuFabricInfo(self, device: Any, gpuFabricInfo: Any) -> int:
+        """The call drivers had before nvmlDeviceGetGpuFabricInfoV: an nvmlGpuFabricInfo_t, without a version."""
+        fabric = self._fabric_of(device)
+        info = self._fabric_struct(gpuFabricInfo)
+        if ctypes.sizeof(info) != ctypes.sizeof(pynvml.c_nvmlGpuFabricInfo_t):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if fabric is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._fill_fabric(info, fabric)
+        return int(pynvml.NVML_SUCCESS)
+
+    def _fabric_of(self, device: Any) -> FabricSpec | None:
+        return self.spec.gpus[self._device(device).gpu].fabric
+
+    @staticmethod
+    def _fabric_struct(ref: Any) -> Any:
+        if ref is None:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return referent(ref, "gpuFabricInfo")
+
+    @staticmethod
+    def _fill_fabric(info: Any, fabric: FabricSpec) -> None:
+        info.clusterUuid[:] = list(uuidlib.UUID(fabric.cluster_uuid).bytes)
+        info.status = fabric.status
+        info.cliqueId = fabric.clique_id
+        info.state = fabric.state
 
     # --- events ------------------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ class _LinkEnd:
 # --- ctypes argument helpers ---------------------------------------------------------------------------
 
 
-def _referent(ref: Any, what: str) -> Any:
+def referent(ref: Any, what: str) -> Any:
     """The ctypes object behind a ``byref()`` or ``pointer()`` argument."""
     if isinstance(ref, _CArgObject):
         return ref._obj  # type: ignore[attr-defined]
@@ -96,7 +96,7 @@ def _referent(ref: Any, what: str) -> Any:
 
 
 def count_reference(ref: Any) -> Any:
-    count = _referent(ref, "count")
+    count = referent(ref, "count")
     if not isinstance(count, ctypes.c_uint):
         raise TypeError(f"count must refer to a ctypes.c_uint, got {type(count).__name__}")
     return count
@@ -121,7 +121,7 @@ def out_array(ref: Any, element: Any) -> tuple[Any, int | None]:
 def placement_arg(ref: Any) -> Placement:
     if ref is None:
         raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    struct = _referent(ref, "placement")
+    struct = referent(ref, "placement")
     if ctypes.sizeof(struct) != ctypes.sizeof(pynvml.c_nvmlGpuInstancePlacement_t):
         raise TypeError(f"placement must be a c_nvmlGpuInstancePlacement_t, got {type(struct).__name__}")
     value = ctypes.cast(ctypes.pointer(struct), ctypes.POINTER(pynvml.c_nvmlGpuInstancePlacement_t)).contents

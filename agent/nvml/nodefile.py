@@ -37,6 +37,24 @@ _BUS_ID_RE = re.compile(r"(?P<domain>[0-9a-fA-F]{4}|[0-9a-fA-F]{8}):(?P<bus>[0-9
 _NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _DRIVER_RE = re.compile(r"\d+\.\d+(\.\d+)?")
 _CUDA_RE = re.compile(r"\d+\.\d+")
+_CLUSTER_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+MAX_IMEX_CHANNELS = 2048
+"""The driver's IMEX channels are numbered 0..2047."""
+
+FabricState = Literal["completed", "in-progress", "not-started", "not-supported"]
+FABRIC_STATE_CODES: Mapping[str, int] = MappingProxyType({
+    "not-supported": pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
+    "not-started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
+    "in-progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+    "completed": pynvml.NVML_GPU_FABRIC_STATE_COMPLETED,
+})
+NVML_RETURNS: Mapping[str, int] = MappingProxyType({
+    "success": pynvml.NVML_SUCCESS,
+    **{name.removeprefix("NVML_ERROR_").lower().replace("_", "-"): int(getattr(pynvml, name))
+       for name in dir(pynvml) if name.startswith("NVML_ERROR_") and isinstance(getattr(pynvml, name), int)},
+})
+"""NVML return codes by the names a node file uses for a fabric's status: success, or NVML_ERROR_<X> as x, in
+lower case with '-' for '_' (not-ready, unknown, ...)."""
 
 
 class NodeFileError(FileProblems):
@@ -78,11 +96,34 @@ class _DriverDoc(_Strict):
         return value
 
 
+class _FabricDoc(_Strict):
+    cluster_uuid: str
+    clique_id: Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+    state: FabricState = "completed"
+    status: str = "success"
+
+    @field_validator("cluster_uuid")
+    @classmethod
+    def _cluster_form(cls, value: str) -> str:
+        if not _CLUSTER_RE.fullmatch(value):
+            raise ValueError(
+                f"must look like xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx in lowercase hex, got {shown(value)}")
+        return value
+
+    @field_validator("status")
+    @classmethod
+    def _status_name(cls, value: str) -> str:
+        if value not in NVML_RETURNS:
+            raise ValueError(f"must be success or an NVML error name such as not-ready or unknown, got {shown(value)}")
+        return value
+
+
 class _GpuDoc(_Strict):
     model: str
     numa_node: Annotated[int, Field(ge=0)] | None
     uuid: str | None = None
     pci_bus_id: str | None = None
+    fabric: _FabricDoc | None = None
 
     @field_validator("model")
     @classmethod
@@ -141,6 +182,15 @@ class _NodeDoc(_Strict):
     gpus: Annotated[list[_GpuDoc], Field(min_length=1, max_length=MAX_GPUS)]
     links: list[_LinkDoc] = []
     nvswitch: bool = False
+    imex_channels: list[Annotated[int, Field(ge=0, le=MAX_IMEX_CHANNELS - 1)]] = []
+
+    @field_validator("imex_channels")
+    @classmethod
+    def _distinct_channels(cls, value: list[int]) -> list[int]:
+        repeated = sorted({c for c in value if value.count(c) > 1})
+        if repeated:
+            raise ValueError(f"lists channel {repeated[0]} more than once")
+        return value
 
     @field_validator("name")
     @classmethod
@@ -154,6 +204,18 @@ class _NodeDoc(_Strict):
 
 
 @dataclass(frozen=True)
+class FabricSpec:
+    """A simulated GPU's place in a multi-node NVLink fabric, as nvmlDeviceGetGpuFabricInfoV reports it."""
+
+    cluster_uuid: str
+    clique_id: int
+    state: int
+    """NVML_GPU_FABRIC_STATE_*."""
+    status: int
+    """An NVML return code: NVML_SUCCESS once the registration completed without error."""
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """One simulated GPU with every default filled in."""
 
@@ -163,6 +225,8 @@ class GpuSpec:
     pci_bus_id: str
     numa_node: int | None
     serial: str
+    fabric: FabricSpec | None = None
+    """None: the GPU has no fabric (nvmlDeviceGetGpuFabricInfoV answers NOT_SUPPORTED)."""
 
     @property
     def minor_number(self) -> int:
@@ -181,6 +245,8 @@ class NodeSpec:
     gpus: tuple[GpuSpec, ...]
     pcie_levels: Mapping[tuple[int, int], PcieLevel] = field(hash=False, repr=False)
     nvlinks: Mapping[tuple[int, int], int] = field(hash=False, repr=False)
+    imex_channels: tuple[int, ...] = ()
+    """The IMEX channels whose device nodes the simulated node has (/dev/nvidia-caps-imex-channels/channel<N>)."""
 
     @property
     def cuda_driver_version(self) -> int:
@@ -329,7 +395,15 @@ def _resolve(doc: _NodeDoc, origin: str, default_name: str) -> NodeSpec:
             problem(f"gpus[{i}].pci_bus_id", f"{bus_id} is already used by gpus[{bus_owner[bus_id]}]")
         uuid_owner.setdefault(gpu_uuid, i)
         bus_owner.setdefault(bus_id, i)
-        gpus.append(GpuSpec(i, lookup(g.model), gpu_uuid, bus_id, g.numa_node, _serial(gpu_uuid)))
+        model = lookup(g.model)
+        fabric = None
+        if g.fabric is not None:
+            if model.nvlink_links == 0 or model.architecture < pynvml.NVML_DEVICE_ARCH_HOPPER:
+                problem(f"gpus[{i}].fabric", f"{model.key} has no NVLink fabric (a Hopper or newer GPU with NVLink "
+                                             "has one)")
+            fabric = FabricSpec(g.fabric.cluster_uuid, g.fabric.clique_id, FABRIC_STATE_CODES[g.fabric.state],
+                                NVML_RETURNS[g.fabric.status])
+        gpus.append(GpuSpec(i, model, gpu_uuid, bus_id, g.numa_node, _serial(gpu_uuid), fabric))
 
     count = len(gpus)
     pcie: dict[tuple[int, int], PcieLevel] = {}
@@ -391,6 +465,7 @@ def _resolve(doc: _NodeDoc, origin: str, default_name: str) -> NodeSpec:
         gpus=tuple(gpus),
         pcie_levels=MappingProxyType(pcie),
         nvlinks=MappingProxyType(nvlinks),
+        imex_channels=tuple(sorted(doc.imex_channels)),
     )
 
 

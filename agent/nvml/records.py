@@ -6,6 +6,7 @@ labels, topology, health policy) and the outputs read them without loading pynvm
 
 from __future__ import annotations
 
+import uuid as uuidlib
 from dataclasses import dataclass
 
 
@@ -24,6 +25,64 @@ class DriverInfo:
     version: str
     cuda: str
     """CUDA driver API version as major.minor, e.g. "12.8"."""
+
+
+FABRIC_STATES = ("not-supported", "not-started", "in-progress", "completed")
+"""NVML_GPU_FABRIC_STATE_* 0..3 by name: where the GPU is in registering with the NVLink fabric."""
+ZERO_CLUSTER = str(uuidlib.UUID(int=0))
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    """What nvmlDeviceGetGpuFabricInfoV says of a GPU's place in a multi-node NVLink fabric (GB200/GB300 NVL72)."""
+
+    cluster_uuid: str
+    """The fabric's cluster UUID, the 16 bytes of clusterUuid in the standard UUID form."""
+    clique_id: int
+    state: str
+    """One of FABRIC_STATES."""
+    status: int
+    """The NVML return code of the registration (0, NVML_SUCCESS, once it completed without error)."""
+
+    @property
+    def attached(self) -> bool:
+        """Attached to the fabric as NVIDIA's go-nvlib tells it (IsFabricAttached): registration completed,
+        without error, into a cluster with a non-zero UUID (NVLink systems without a multi-node fabric report
+        the zero UUID)."""
+        return self.state == "completed" and self.status == 0 and self.cluster_uuid != ZERO_CLUSTER
+
+    @property
+    def clique(self) -> str:
+        """<cluster UUID>.<clique ID>, the form of GPU feature discovery's nvidia.com/gpu.clique."""
+        return f"{self.cluster_uuid}.{self.clique_id}"
+
+
+@dataclass(frozen=True)
+class NodeClique:
+    """The node's one fabric clique (`value`), or why it has none that it can label (`problem`, a warning)."""
+
+    value: str | None = None
+    problem: str | None = None
+
+
+def node_clique(gpus: tuple[GpuInfo, ...]) -> NodeClique:
+    """The clique of the node's fabric-attached GPUs as GPU feature discovery decides it: none when no GPU is
+    attached; when they do not all share one cluster UUID, or one clique ID, none and a problem naming the
+    GPUs (by index) of each."""
+    attached = [(g.index, g.fabric) for g in gpus if g.fabric is not None and g.fabric.attached]
+    if not attached:
+        return NodeClique()
+    clusters: dict[str, list[int]] = {}
+    cliques: dict[str, list[int]] = {}
+    for index, fabric in attached:
+        clusters.setdefault(fabric.cluster_uuid, []).append(index)
+        cliques.setdefault(str(fabric.clique_id), []).append(index)
+    for what, owners in (("cluster UUIDs", clusters), ("clique IDs", cliques)):
+        if len(owners) > 1:
+            listed = "; ".join(f"{value}: GPU {', '.join(map(str, idx))}" for value, idx in owners.items())
+            return NodeClique(problem=f"the fabric-attached GPUs have {len(owners)} {what} ({listed}), not one; "
+                                      "the node has no clique")
+    return NodeClique(value=attached[0][1].clique)
 
 
 @dataclass(frozen=True)
@@ -46,6 +105,8 @@ class GpuInfo:
     """NVML_GPU_VIRTUALIZATION_MODE_*: 0 bare metal, 1 passthrough, 2 a vGPU in a guest."""
     brand: int | None = None
     """nvmlDeviceGetBrand, an NVML_BRAND_* value (14 NVIDIA for data-centre GPUs); None where NVML does not say."""
+    fabric: FabricInfo | None = None
+    """nvmlDeviceGetGpuFabricInfoV; None where the GPU or the driver does not support it."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +148,8 @@ class NodeInventory:
     gpus: tuple[GpuInfo, ...]
     links: tuple[PairLink, ...]
     mig_devices: tuple[MigDeviceInfo, ...] = ()
+    imex_channels: tuple[int, ...] = ()
+    """The IMEX channels whose device nodes exist (/dev/nvidia-caps-imex-channels/channel<N>), in order."""
 
 
 @dataclass(frozen=True)

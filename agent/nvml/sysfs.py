@@ -1,7 +1,8 @@
 """What sysfs says about a GPU's place on the PCI bus, beside NVML: its NUMA node and PCI class (read by
 `NvmlBackend` into `GpuInfo`), and its PCIe root complex (the DRA slice's resource.kubernetes.io/pcieRoot
 attribute). Each reader takes NVML's bus id ("00000000:18:00.0") and answers None when sysfs does not know the
-device; the fake NVML answers the same questions from its node file instead. No NVML here."""
+device; the fake NVML answers the same questions from its node file instead. Also which IMEX channel device
+nodes exist under /dev (`dev_imex_channels`, into `NodeInventory`). No NVML here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from agent.nvml.records import short_bus_id
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
+IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
+"""Where the driver's IMEX channel device nodes are: channel<N>, one per channel made (channel0 by the driver's
+NVreg_CreateImexChannel0=1, or by an administrator)."""
 
 
 def sysfs_numa_node(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
@@ -42,3 +46,12 @@ def sysfs_pcie_root(bus_id: str, sysfs: Path = Path("/sys")) -> str | None:
     if len(below) > 1 and re.fullmatch(r"pci[0-9a-f]{4}:[0-9a-f]{2}", below[0]):
         return below[0]
     return None
+
+
+def dev_imex_channels(root: Path = IMEX_CHANNELS) -> tuple[int, ...]:
+    """The IMEX channels whose device nodes exist under `root`, in order; none when the directory does not."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return ()
+    return tuple(sorted(int(m[1]) for n in names if (m := re.fullmatch(r"channel(0|[1-9][0-9]{0,5})", n))))

@@ -225,8 +225,9 @@ class LongestJitter(random.Random):
         return b
 
 
-def jittered(kubeconfig_path: Path, seconds: float) -> NodeApi:
-    return NodeApi(ApiClient(from_kubeconfig(kubeconfig_path), start_jitter_s=seconds, rng=LongestJitter()), NODE)
+def jittered(kubeconfig_path: Path, seconds: float, since: float | None = None) -> NodeApi:
+    return NodeApi(ApiClient(from_kubeconfig(kubeconfig_path), start_jitter_s=seconds, rng=LongestJitter(),
+                             since=since), NODE)
 
 
 async def test_an_agent_reaches_the_api_server_only_after_its_start_jitter(
@@ -243,6 +244,21 @@ async def test_an_agent_reaches_the_api_server_only_after_its_start_jitter(
         await wait_until(lambda: (admin_core.read_node(NODE).metadata.labels or {}).get("nvidia.com/gpu.count"),
                          10, "the count label", blocking=True)
         assert time.monotonic() - started >= 4.0
+
+
+async def test_a_slow_start_is_not_added_to_the_start_jitter(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    """The jitter counts from the agent process's start: an agent whose start took 3 s (a busy node), with its
+    jitter drawn at the longest (4 s), sends its first request about 1 s after it is up, not 4 s."""
+    started = time.monotonic()
+    kube = jittered(agent_kubeconfig, 4.0, since=started - 3.0)
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=kube, await_node=False):
+        await asyncio.sleep(0.5)
+        assert sum(kube.counts.requests.values()) == 0
+        await wait_until(lambda: (admin_core.read_node(NODE).metadata.labels or {}).get("nvidia.com/gpu.count"),
+                         10, "the count label", blocking=True)
+        assert 1.0 <= time.monotonic() - started < 4.0
 
 
 async def test_a_node_fault_at_start_is_not_held_back_by_the_start_jitter(

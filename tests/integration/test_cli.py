@@ -38,6 +38,23 @@ def test_simulate_json_shows_eight_gpus_for_dgx_h100() -> None:
     assert len({d["id"] for d in devices}) == 8
 
 
+def test_simulate_shows_what_nvidias_mps_example_gives_with_its_daemons_simulated() -> None:
+    """NVIDIA's MPS example (10 replicas) on a simulated DGX H100: the driver's MPS control daemons are simulated
+    too, so the node offers 80 nvidia.com/gpu, as the example's README says, and nothing is withheld."""
+    example = Path(__file__).parents[1] / "fixtures" / "nvidia" / "mps-10.yaml"
+    done = gpu_agent("simulate", "--node", "dgx-h100", "--config", str(example), "--json")
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["node"]["capacity"] == {"nvidia.com/gpu": "80"}
+    assert view["node"]["allocatable"] == {"nvidia.com/gpu": "80"}
+    labels = view["node"]["labels"]
+    assert (labels["nvidia.com/gpu.sharing-strategy"], labels["nvidia.com/gpu.replicas"],
+            labels["nvidia.com/gpu.product"]) == ("mps", "10", "NVIDIA-H100-80GB-HBM3-SHARED")
+    assert view["events"] == []
+    devices = view["devices"]["nvidia.com/gpu"]
+    assert len(devices) == 80 and len({d["id"].split("::")[0] for d in devices}) == 8
+
+
 def test_simulate_text_looks_like_describe_node() -> None:
     done = gpu_agent("simulate", "--node", "pcie-l40s-4")
     assert done.returncode == 0, done.stderr
@@ -121,6 +138,45 @@ async def test_sigterm_removes_the_socket_and_exits_zero() -> None:
             await proc.wait()
         await kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_nvidias_health_variables_ignore_and_enable_xids_in_a_running_agent(tmp_path: Path) -> None:
+    """A DaemonSet moved over from NVIDIA's device plugin keeps its health variables: with
+    DP_DISABLE_HEALTHCHECKS=48 an XID 48 (double-bit ECC) leaves its GPU healthy, and with
+    DP_ENABLE_HEALTHCHECKS=13 an XID 13 (an application error, ignored by default) marks its GPU unhealthy."""
+    node = ["--nvml", "mock:dgx-h100", "--mock-state", str(tmp_path / "gpus.json")]
+    gpus = json.loads(gpu_agent("inspect", *node, "--json").stdout)["gpus"]
+    uuid = {g["index"]: g["uuid"] for g in gpus}
+    (tmp_path / "config.yaml").write_text("version: v1\nhealth:\n  sampleIntervalSeconds: 0.1\n")
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    env = {**os.environ, "DP_DISABLE_HEALTHCHECKS": "48", "DP_ENABLE_HEALTHCHECKS": " 13 "}
+    proc = await asyncio.create_subprocess_exec(
+        *AGENT, "run", *node, "--kubelet-dir", str(directory), "--no-kube", "--metrics-port", "0",
+        "--config", str(tmp_path / "config.yaml"), stderr=asyncio.subprocess.PIPE, env=env)
+
+    def unhealthy() -> list[str]:
+        return sorted(d.ID for d in kubelet.plugins["nvidia.com/gpu"].devices if d.health != "Healthy")
+
+    try:
+        await kubelet.wait_for({"nvidia.com/gpu"}, 30)
+        assert unhealthy() == []
+        for gpu, xid in ((2, 48), (5, 13)):  # 48 first: by the time 13 shows, 48 would have
+            done = gpu_agent("fault", *node, "xid", str(gpu), str(xid))
+            assert done.returncode == 0, done.stderr
+        async with kubelet.changed, asyncio.timeout(15):
+            await kubelet.changed.wait_for(lambda: unhealthy() != [])
+        await asyncio.sleep(0.5)
+        assert unhealthy() == [uuid[5]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        await kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    log = stderr.decode()
+    assert "DP_DISABLE_HEALTHCHECKS=48: XIDs 48 ignored" in log
+    assert "DP_ENABLE_HEALTHCHECKS= 13 : XID 13 unhealthy" in log
 
 
 def test_output_into_a_closed_pipe_ends_quietly() -> None:

@@ -96,11 +96,13 @@ def test_node_files_are_read_from_the_capability_minors_and_the_device_nodes_pre
     minors = tmp_path / "mig-minors"
     minors.write_text("config 1\nmonitor 2\ngpu0/gi1/access 21\ngpu0/gi1/ci0/access 22\nbroken line\n")
     present = {"/dev/nvidiactl", "/dev/nvidia-modeset", "/dev/nvidia-caps-imex-channels/channel0"}
-    files = read_node_files(exists=present.__contains__, mig_minors=minors)
+    files = read_node_files((0, 3), exists=present.__contains__, mig_minors=minors)
     assert files == NodeFiles(control_nodes=("/dev/nvidiactl", "/dev/nvidia-modeset"),
                               mig_minors={"config": 1, "monitor": 2, "gpu0/gi1/access": 21, "gpu0/gi1/ci0/access": 22},
                               imex_channel=True)
     assert read_node_files(exists=lambda _: False, mig_minors=tmp_path / "absent") == NodeFiles()
+    # Channel 0 is the one NVIDIA's config can ask for: other channels alone do not make it present.
+    assert read_node_files((3,), exists=present.__contains__, mig_minors=tmp_path / "absent").imex_channel is False
 
 
 def test_two_of_three_mps_replicas_get_two_thirds_rounded_down() -> None:

@@ -4,13 +4,16 @@ failure waits, what a Retry-After does, how a burst is paced; and the names requ
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
+from pathlib import Path
 
 import pytest
 
 from agent.kube.client import TokenBucket, api_error, resource_of
 from agent.kube.client import _verb as verb
-from agent.kube.usage import ApiError, Backoff
+from agent.kube.usage import ApiError, Backoff, process_started
 
 
 class Clock:
@@ -113,3 +116,30 @@ def test_a_rate_limit_must_be_positive() -> None:
 ])
 def test_requests_are_counted_under_the_api_servers_names(method: str, path: str, counted: tuple[str, str]) -> None:
     assert (verb(method, path), resource_of(path)) == counted
+
+
+def stat_line(started_ticks: int) -> str:
+    """A /proc/<pid>/stat line (proc(5)) with this start time, and a command name with a space and a ')'."""
+    fields = ["S", "1", "1", "1", "0", "-1", "4194560", "0", "0", "0", "0", "5", "3", "0", "0", "20", "0", "1",
+              "0", str(started_ticks), "1000", "100"]
+    return "4242 (gpu agent) x) " + " ".join(fields) + "\n"
+
+
+def test_the_process_start_is_read_from_proc_stat_on_the_monotonic_clock(tmp_path: Path) -> None:
+    """A process that started 5 s ago (in clock ticks since boot) started 5 s before now on time.monotonic()."""
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    stat.write_text(stat_line(round((time.clock_gettime(time.CLOCK_BOOTTIME) - 5.0) * hz)))
+    assert time.monotonic() - process_started(stat) == pytest.approx(5.0, abs=2.0 / hz + 0.05)
+
+
+def test_a_process_start_that_cannot_be_read_is_now(tmp_path: Path) -> None:
+    before = time.monotonic()
+    assert before <= process_started(tmp_path / "absent") <= time.monotonic()
+    (tmp_path / "short").write_text("4242 (gpu-agent) S 1 1\n")
+    assert before <= process_started(tmp_path / "short") <= time.monotonic()
+
+
+def test_this_process_started_before_now() -> None:
+    """Read from the real /proc/self/stat: the test process has been running for a while (its imports alone)."""
+    assert 0.0 < time.monotonic() - process_started() < time.clock_gettime(time.CLOCK_BOOTTIME)

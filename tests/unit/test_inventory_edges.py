@@ -6,7 +6,7 @@ from __future__ import annotations
 from agent.config import parse_config
 from agent.inventory import mig_resource, mps_shared_gpus, plan, sanitise, sharing_conflicts
 from agent.state import DeviceHealth
-from tests.unit.test_inventory import node
+from tests.unit.test_inventory import counts, node
 
 MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
 TWO_1G = {0: [("1g.10gb", 0), ("1g.10gb", 1)]}
@@ -45,6 +45,8 @@ def test_a_mig_device_shared_by_two_entries_is_named_by_its_index() -> None:
 
 
 def test_mps_replicas_wait_for_their_gpus_control_daemon() -> None:
+    """Replicas only for a GPU whose daemon is up; a daemon that failed is reported, one still starting is not
+    (every start of an MPS node would otherwise record a warning)."""
     state = node("pcie-l40s-4", config="version: v1\nsharing:\n  mps:\n    resources:\n"
                                         "    - {name: nvidia.com/gpu, replicas: 2}\n")
     uuids = [g.uuid for g in state.inventory.gpus]
@@ -52,7 +54,7 @@ def test_mps_replicas_wait_for_their_gpus_control_daemon() -> None:
     result = plan(state)
     assert [d.id for d in result.resources["nvidia.com/gpu"].devices] == [f"{uuids[0]}::0", f"{uuids[0]}::1"]
     assert result.problems == ("MPS replicas withheld until the GPU's MPS control daemon is up: "
-                               "GPU 1 (control daemon exited); GPU 2 (starting); GPU 3 (starting)",)
+                               "GPU 1 (control daemon exited)",)
 
 
 def test_devices_carry_the_reason_their_gpu_is_unhealthy() -> None:
@@ -144,3 +146,17 @@ def test_asking_for_exactly_as_many_devices_as_there_are_is_no_warning() -> None
     config = ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
               "    - {name: nvidia.com/gpu, replicas: 2, devices: 8}\n")
     assert plan(node(config=config)).warnings == ()
+
+
+def test_profiles_with_a_suffix_are_resources_of_their_own() -> None:
+    """As NVIDIA's device plugin v0.20 (mixed strategy): 1g.24gb, 1g.24gb-me, 1g.24gb+gfx and 1g.24gb+me.all on
+    RTX PRO 6000 Blackwell are four resources, not one ('+' written '.')."""
+    state = node("pcie-rtx-pro-6000-8", config=MIXED, mig={
+        0: [("1g.24gb", 0), ("1g.24gb", 3)],
+        1: [("1g.24gb-me", 0), ("1g.24gb-me", 3)],
+        2: [("1g.24gb+gfx", 0)],
+        3: [("1g.24gb+me.all", 0), ("1g.24gb-me", 3)],  # all media engines on one, none on the other
+    })
+    assert {name: n for name, n in counts(state).items() if name.startswith("nvidia.com/mig-")} == {
+        "nvidia.com/mig-1g.24gb": 2, "nvidia.com/mig-1g.24gb-me": 3, "nvidia.com/mig-1g.24gb.gfx": 1,
+        "nvidia.com/mig-1g.24gb.me.all": 1}
