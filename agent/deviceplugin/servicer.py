@@ -200,7 +200,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
             self._streams -= 1
 
     async def _newer(self, version: int, generation: _Generation) -> NodeState | None:
-        """A state newer than `version`, or None once `generation` is closed."""
+        """The newest state once it is newer than `version`, or None once `generation` is closed. A state
+        published before the close is still returned, so a stream whose resource vanished sends its empty list
+        before its server stops."""
+        current = self._bus.current
+        if current.version > version:
+            return current
         if generation.closed.is_set():
             return None
         newer = asyncio.ensure_future(self._bus.wait_newer(version))
@@ -210,7 +215,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         finally:
             newer.cancel()
             closed.cancel()
-        return None if generation.closed.is_set() else newer.result()
+        current = self._bus.current
+        return current if current.version > version else None
 
     async def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext

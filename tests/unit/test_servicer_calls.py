@@ -191,6 +191,20 @@ def test_close_ends_every_open_stream() -> None:
         assert [list(s) for s in streams] == [[], []]
 
 
+def test_a_change_published_just_before_close_still_reaches_the_stream_before_it_ends() -> None:
+    with serving(node()) as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        assert len(next(stream).devices) == 8
+
+        async def change_then_close() -> None:  # as a resource vanishes and its server is stopped at once
+            await served.bus.update(health={served.ids[1]: DeviceHealth(False, "XID 79")})
+            served.servicer.close()
+
+        served.loop.run(change_then_close())
+        assert [d.health for d in next(stream).devices] == ["Healthy", "Unhealthy"] + ["Healthy"] * 6
+        assert list(stream) == []
+
+
 def test_a_fifth_stream_is_refused_until_one_ends() -> None:
     with serving(node()) as served:
         streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(4)]
