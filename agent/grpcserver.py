@@ -14,9 +14,10 @@ MIN_CLIENT_PING_MS = 10_000
 """A client may ping this often (the kubelet's grpc-go sends none by default); more often, after
 MAX_PING_STRIKES pings, its connection is closed with GOAWAY."""
 MAX_PING_STRIKES = 2
-MAX_CONNECTION_STREAMS = 128
-"""Concurrent HTTP/2 streams (calls) one client connection may have open; the kubelet uses a few."""
-MAX_CONCURRENT_CALLS = 512
+MAX_CONNECTION_STREAMS = 1024
+"""Calls (HTTP/2 streams) one client connection may have open at once: the kubelet uses a few; a client that
+opens more has the excess refused (REFUSED_STREAM, which gRPC clients report as UNAVAILABLE)."""
+MAX_CONCURRENT_CALLS = 4096
 """Calls one server runs at once, all connections together; one beyond is refused with RESOURCE_EXHAUSTED."""
 MAX_SEND_BYTES = 64 * 1024 * 1024
 """An answer grows with the devices it names; this only stops a runaway."""
