@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from agent.checks import StartupError
 from agent.config import ConfigError
 from agent.deviceplugin.response import NodeFiles
 from agent.deviceplugin.server import PluginSet
-from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.deviceplugin.servicer import SEARCH_THREADS, DevicePluginServicer
 from agent.dra.slices import plugin_resources
 from agent.health.monitor import HealthMonitor
 from agent.inventory import Device, PlanCache
@@ -95,8 +96,10 @@ class Agent:
         self.stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         preferences = Preferences(lambda: bus.current)
+        self.search = ThreadPoolExecutor(max_workers=SEARCH_THREADS, thread_name_prefix="preferred-allocation")
+        """Where every resource's GetPreferredAllocation search runs, off the event loop."""
         self.plugins = PluginSet(
-            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files),
+            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files, self.search),
             lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled,
                                      options.config.dra.dynamic_mig),
             options.kubelet_dir,
@@ -212,6 +215,7 @@ class Agent:
         with contextlib.suppress(Exception):
             await self.monitor.close()
         await self.plugins.stop(grace=1.0)
+        self.search.shutdown(wait=False, cancel_futures=True)
         if self.http is not None:
             await self.http.stop()
             self.footing.http = None

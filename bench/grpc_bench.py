@@ -27,8 +27,7 @@ from typing import Any
 import grpc
 
 from agent.config import AgentConfig
-from agent.deviceplugin.coreserver import CoreServer
-from agent.deviceplugin.server import STREAM_THREADS, device_plugin_methods
+from agent.deviceplugin.server import plugin_server
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.health.monitor import EVENT_WAIT_MS
 from agent.nvml.fake import FakeNvml
@@ -500,7 +499,7 @@ def build_go_bench() -> Path:
     return GO_BENCH
 
 
-class EmptyServicer:
+class EmptyServicer(api_pb2_grpc.DevicePluginServicer):
     """The DevicePlugin service doing nothing a Python server could skip: fixed answers, like the Go floor."""
 
     def __init__(self, ids: Sequence[str]) -> None:
@@ -508,37 +507,43 @@ class EmptyServicer:
             api_pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)})])
         self._devices = api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=i, health="Healthy") for i in ids])
 
-    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return api_pb2.DevicePluginOptions(get_preferred_allocation_available=True)
 
-    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+    async def ListAndWatch(self, request: Any, context: Any) -> Any:
         yield self._devices
 
-    def Allocate(self, request: Any, context: Any) -> Any:
+    async def Allocate(self, request: Any, context: Any) -> Any:
         return self._allocate
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         return api_pb2.PreferredAllocationResponse(container_responses=[
             api_pb2.ContainerPreferredAllocationResponse(deviceIDs=c.available_deviceIDs[:c.allocation_size])
             for c in request.container_requests])
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
+    async def PreStartContainer(self, request: Any, context: Any) -> Any:
         return api_pb2.PreStartContainerResponse()
 
 
 def serve_empty(socket: Path, ids: Sequence[str]) -> None:
-    """The empty Python server until SIGTERM: the agent's server model (a CoreServer with the same methods and
-    stream threads, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
+    """The empty Python server until SIGTERM: the agent's server model (server.plugin_server: grpc.aio with the
+    agent's options, agent/deviceplugin/server.py) around EmptyServicer, so the agent's own work is the
     difference."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    server = CoreServer(device_plugin_methods(EmptyServicer(ids)), "empty", STREAM_THREADS)
-    if not server.add_port(f"unix://{socket}"):
-        raise SystemExit(f"cannot listen on {socket}")
-    server.start()
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop()
-    server.cancel()
-    server.stopped.wait()
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            server = plugin_server(EmptyServicer(ids), f"unix://{socket}")  # type: ignore[arg-type]
+        except OSError as err:
+            raise SystemExit(f"cannot listen on {socket}: {err}") from None
+        await server.start()
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(serve())
 
 
 def _busy_seconds() -> float:
@@ -677,8 +682,93 @@ def _floor_figures(preset: str, devices: int, rounds: int, calls: int, series: l
         s.update(latency(s.pop("latency_ms")))
     return {"preset": preset, "devices": devices, "rounds": rounds, "calls": calls, "warmup": FLOOR_WARMUP,
             "chunk": FLOOR_CHUNK,
-            "servers": list(FLOOR_SERVERS), "agent_command": command, "stream_threads": STREAM_THREADS,
+            "servers": list(FLOOR_SERVERS), "agent_command": command,
             "pooled": pooled, "ratios": ratios, "series": series}
+
+
+# --- many clients at once: 64 kubelet-like clients on connections of their own --------------------------------
+
+LOAD_METHODS = ("allocate", "preferred")
+LOAD_WARMUP = 20
+"""Untimed calls per client before the timed ones (each client's connection set up and warm)."""
+
+
+async def many_clients(preset: str, clients: int, rate: float, seconds: float, rng: random.Random,
+                       back_to_back_seconds: float = 0.0) -> dict[str, Any]:
+    """Allocate and GetPreferredAllocation while `clients` clients call at once: `gpu-agent run` on the fake
+    NVML of `preset` (its own process, registered with a stand-in kubelet that holds its ListAndWatch stream),
+    and `bench-grpc load` (a Go process, bench/goclient) with `clients` connections of their own, each calling
+    at random moments, `rate` calls per second on average (a Poisson process, one call at a time per client),
+    for `seconds` per method. With `back_to_back_seconds`, the same clients then each call as soon as their
+    previous call is answered, for that long per method (reported, with no budget: every client always has
+    a call waiting). The agent's CPU (utime + stime) is read around each run."""
+    go = build_go_bench()
+    directory = short_dir()
+    kubelet = StandInKubelet(directory)
+    await kubelet.start()
+    log_path = directory / "agent.log"
+    command = [*agent_command(), "run", "--nvml", f"mock:{preset}", "--kubelet-dir", str(directory), "--no-kube",
+               "--metrics-port", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    runs: dict[str, dict[str, Any]] = {}
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log, env=env)
+    try:
+        try:
+            await kubelet.wait_for({RESOURCE}, 60)
+        except TimeoutError:
+            raise RuntimeError(f"the agent did not register within 60 s:\n{log_path.read_text()}") from None
+        await asyncio.sleep(SETTLE_S)
+        ids = [d.ID for d in kubelet.plugins[RESOURCE].devices]
+        socket = directory / kubelet.plugins[RESOURCE].endpoint
+        modes = [("paced", rate, seconds)] + ([("back_to_back", 0.0, back_to_back_seconds)]
+                                              if back_to_back_seconds else [])
+        for mode, mode_rate, mode_seconds in modes:
+            for method in LOAD_METHODS:
+                cpu = cpu_seconds(proc.pid)
+                load = await asyncio.create_subprocess_exec(
+                    str(go), "load", "-socket", str(socket), "-method", method, "-clients", str(clients),
+                    "-rate", str(mode_rate), "-seconds", str(mode_seconds), "-warmup", str(LOAD_WARMUP),
+                    "-seed", str(rng.getrandbits(63)), "-ids", ",".join(ids),
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                out, err = await load.communicate()
+                cpu = cpu_seconds(proc.pid) - cpu
+                if load.returncode != 0:
+                    raise RuntimeError(f"bench-grpc load {method} exited {load.returncode}: "
+                                       f"{err.decode(errors='replace').strip()}")
+                result = json.loads(out)
+                if result["errors"]:
+                    raise RuntimeError(f"bench-grpc load {method}: {len(result['errors'])} calls failed, first: "
+                                       f"{result['errors'][0]}")
+                ms = [ns / 1e6 for ns in result["latency_ns"]]
+                seen = sorted(result["in_flight_seen"])
+                runs[f"{mode}.{method}"] = {
+                    "mode": mode, "method": method, **latency(ms),
+                    "calls_per_s": round(len(ms) / result["wall_s"], 1),
+                    "rate_per_client": mode_rate,
+                    "seconds": mode_seconds,
+                    "max_in_flight": result["max_in_flight"],
+                    "in_flight_p50": percentile(seen, 50),
+                    "in_flight_p99": percentile(seen, 99),
+                    "agent_cpu_ms_per_call": round(1000 * cpu / (len(ms) + clients * LOAD_WARMUP), 3),
+                    "client_cpu_s": round(result["cpu_s"], 3),
+                }
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await kubelet.stop()
+        log_text = log_path.read_text(errors="replace")
+        shutil.rmtree(directory, ignore_errors=True)
+    if code != 0 or "Traceback" in log_text:
+        raise RuntimeError(f"the agent process exited {code}:\n{log_text}")
+    return {"preset": preset, "gpus": len(ids), "clients": clients, "warmup": LOAD_WARMUP,
+            "agent_command": " ".join(["gpu-agent", "run", "--nvml", f"mock:{preset}", "--kubelet-dir", "DIR",
+                                       "--no-kube", "--metrics-port", "0"]),
+            "runs": runs}
 
 
 @contextlib.contextmanager

@@ -348,7 +348,8 @@ def _method(results: dict[str, Any]) -> list[str]:
         "and Event the agent sends) and the Node versions on its watch, and reads the resourceVersion before "
         "and after.",
         "- **Budgets.** GetPreferredAllocation p99 < 20 ms is set for 16 GPUs; the smaller nodes, the MIG "
-        "devices and the replicas are held to it too. Allocate p99 < 2 ms, health change to ListAndWatch "
+        "devices and the replicas are held to it too, and so are 16 GPUs while 64 clients call at once (5 calls "
+        "a second each). Allocate p99 < 2 ms, alone and while 64 clients call at once, health change to ListAndWatch "
         "< 100 ms (p99 and max), XID to taint < 1 s (p99 and max), in DRA mode XID to withdrawal < 1 s (p99 "
         "and max), no API write and no Node update in steady state, RSS < 100 MB (with and without the API "
         "client), idle CPU < 1 % of a core. Rows marked — are context without a budget; rows marked report were "
@@ -357,8 +358,9 @@ def _method(results: dict[str, Any]) -> list[str]:
         "`bench/out/`) and `bench/run.py`, which writes `bench/results.json` and this page; "
         "`python bench/report.py` re-renders the page from the JSON. `bench/run.py --quick` is a smoke run "
         "with fewer calls, a 10 s idle window and a 30 s steady state; `bench/run.py --only floor,many_devices` "
-        "measures only those sections (any of preferred, allocate, many_devices, health, telemetry, mig_apply, "
-        "floor, process, apiserver) into `bench/out/only.json`, never onto this page. No test times anything; "
+        "measures only those sections (any of preferred, allocate, many_clients, many_devices, health, telemetry, "
+        "mig_apply, floor, process, apiserver) into `bench/out/only.json`, and onto this page only with `--merge`, "
+        "which replaces those sections in `bench/results.json` and names them at the top. No test times anything; "
         "these figures come only from here.",
     ]
 
@@ -449,8 +451,9 @@ def _floor(results: dict[str, Any]) -> list[str]:
         "benchmark process that keeps its ListAndWatch stream open. Beside it run the Go floor (`bench-grpc "
         "serve` from `bench/goclient`: the same DevicePlugin service on grpc-go, answering Allocate with one "
         "fixed response and GetPreferredAllocation with the first devices offered) and the empty Python server "
-        "(`python -m bench.grpc_bench serve-empty`: the agent's own server model, a CoreServer with the same "
-        "methods and stream threads, with fixed answers), each on a unix socket in the same directory. "
+        "(`python -m bench.grpc_bench serve-empty`: the agent's own server model, `plugin_server` of "
+        "`agent/deviceplugin/server.py` (grpc.aio, the same options), with fixed answers), each on a unix socket "
+        "in the same directory. "
         "The client is `bench-grpc call`, a separate Go process that dials and calls as the kubelet's device "
         "manager does (grpc-go, the kubelet's `k8s.io/kubelet` API package, `grpc.DialContext` with an insecure "
         "unix dialer and authority `localhost`, one container request per call on `context.Background()`), "
@@ -466,12 +469,65 @@ def _floor(results: dict[str, Any]) -> list[str]:
         "p99 are nearest-rank. Server CPU is the growth of utime + stime in `/proc/<pid>/stat` (what getrusage "
         "counts for that process, all threads) around the whole client run divided by the calls that server "
         "answered, warm-up included; it also holds what the server did while the others had their turns (for "
-        "the agent, its health monitor and telemetry: see its idle CPU above). Budgets: agent "
-        "Allocate p99 at most 2x the Go floor's, p50 at most 1.3x the empty Python server's, at most 0.5 ms of "
-        "agent CPU per Allocate; the GetPreferredAllocation ratios are reported without a budget (the agent "
-        "computes an optimal set there, the floors do not).",
+        "the agent, its health monitor and telemetry: see its idle CPU above). Every figure here is reported "
+        "without a budget: the budgets are what the kubelet notices, the latencies while 64 clients call at once "
+        "(above).",
         "",
     ]
+    return lines
+
+
+def _many_clients(results: dict[str, Any]) -> list[str]:
+    """The many-clients section: Allocate and GetPreferredAllocation while 64 clients call at once."""
+    crowd = results["details"].get("many_clients")
+    if crowd is None:
+        return []
+    names = {"allocate": "Allocate", "preferred": "GetPreferredAllocation"}
+    modes = {"paced": "paced", "back_to_back": "back to back"}
+    lines = [
+        "## Many clients at once",
+        "",
+        "| call | clients call | calls | calls/s | p50 ms | p99 ms | max ms | in flight p50 / p99 / max | "
+        "agent CPU ms/call |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in crowd["runs"].values():
+        how = f"{r['rate_per_client']:g}/s each" if r["mode"] == "paced" else modes[r["mode"]]
+        lines.append(f"| {names[r['method']]} | {how} | {r['calls']} | {r['calls_per_s']} | {r['p50_ms']:.3f} | "
+                     f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {r['in_flight_p50']} / {r['in_flight_p99']} / "
+                     f"{r['max_in_flight']} | {r['agent_cpu_ms_per_call']:.3f} |")
+    lines += [
+        "",
+        f"How: `{crowd['agent_command']}` (`{crowd['preset']}`, {crowd['gpus']} GPUs) runs as its own process, "
+        "registered with a stand-in kubelet in the benchmark process that keeps its ListAndWatch stream open. "
+        f"`bench-grpc load` (bench/goclient, grpc-go, dialling as the kubelet's device manager does) opens "
+        f"{crowd['clients']} connections, one per client, makes {crowd['warmup']} untimed calls on each, then "
+        "each client calls at random moments (a Poisson process of the given rate, one call at a time, the next "
+        "one when it is due or, if later, when the previous one is answered) for the given time: Allocate with a "
+        "random 1..16 of the GPUs, then GetPreferredAllocation drawn as in the series above. Paced, the calls of "
+        "different clients overlap when they fall close together; back to back, every client always has a call "
+        "in flight, so each call waits for those ahead of it (reported without a budget). In flight is the "
+        "number of calls outstanding, the client's own included, as each timed call starts. Latency is the "
+        "client's wall time around each call; p50 and p99 are nearest-rank. Agent CPU is the growth of its "
+        "utime + stime around each run, divided by its calls, warm-up included. Budgets (paced): Allocate p99 "
+        "under 2 ms, GetPreferredAllocation p99 under 20 ms.",
+        "",
+    ]
+    return lines
+
+
+def _remeasured(results: dict[str, Any]) -> list[str]:
+    """The sections measured again since the full run (bench/run.py --only ... --merge), each replacing those
+    sections' figures and details."""
+    lines = []
+    for r in results.get("remeasured", []):
+        m = r["machine"]
+        load = ", ".join(str(x) for x in m["load_average_at_start"])
+        load_end = ", ".join(str(x) for x in m["load_average_at_end"])
+        lines += [f"Measured again since, replacing their figures and details below: {', '.join(r['sections'])}, by "
+                  f"`{r['generated_by']} --merge` on {r['date']}, {r['duration_s']:.0f} s: load average {load} at "
+                  f"start and {load_end} at the end; {m['implementation']} {m['python']}, grpcio {m['grpcio']}, "
+                  f"revision `{m['git']}`.", ""]
     return lines
 
 
@@ -495,9 +551,11 @@ def render(results: dict[str, Any], fleet: dict[str, Any] | None = None,
         f"{load_end} at the end; {m['implementation']} {m['python']}, grpcio {m['grpcio']}, "
         f"revision `{m['git']}`. {verdict}",
         "",
+        *_remeasured(results),
         *_figures(results),
         "",
         *_missed(results),
+        *_many_clients(results),
         *_floor(results),
         "## GetPreferredAllocation by request size",
         "",

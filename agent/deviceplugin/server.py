@@ -1,8 +1,9 @@
 """Serves each resource on its own unix socket, registers with the kubelet and follows kubelet restarts.
 
-Each resource's DevicePlugin service runs on a CoreServer (coreserver.py) of its own: unary calls (Allocate,
-GetPreferredAllocation, options) are answered on its polling thread, each ListAndWatch stream on one of a fixed
-set of threads. Registration, the socket watch and the resource set stay on the event loop.
+Each resource's DevicePlugin service runs on a grpc.aio server of its own (`plugin_server`, made by grpcserver.py
+as every gRPC server of the agent is), on the agent's event loop, with explicit limits: the largest message it
+takes (MAX_RECEIVE_BYTES), keepalive, concurrent streams and calls. Registration,
+the socket watch and the resource set run on the same loop.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
-from agent.deviceplugin.coreserver import CoreServer, Method
 from agent.deviceplugin.dirwatch import DirWatch
-from agent.deviceplugin.servicer import MAX_STREAMS, DevicePluginServicer
+from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.grpcserver import aio_server
 from agent.metrics import Metrics
 from agent.state import StateBus
 
@@ -39,13 +39,28 @@ POLL_INTERVAL_S = 0.2
 IDLE_CHECK_S = 10.0
 """With inotify, a check this often all the same, in case an event was missed."""
 BACKOFF_MAX_S = 5.0
-STREAM_THREADS = MAX_STREAMS + 1
-"""Every open ListAndWatch stream holds a thread while it waits; one more answers a stream beyond the limit
-with its refusal."""
-SERVICE = "/v1beta1.DevicePlugin/"
-STOP_POLL_S = 0.002
-JOIN_SLACK_S = 1.0
-"""How long past the grace a stopping server's threads may take to finish the calls they are in."""
+
+MAX_RECEIVE_BYTES = 2 * 1024 * 1024
+"""The largest request a plugin server takes; a larger one is refused with RESOURCE_EXHAUSTED before it is parsed,
+and the server goes on serving. The largest legitimate request is a GetPreferredAllocation that offers, and
+requires, every replica of a 16-GPU node with 1024 replicas each (the most a config allows): 16384 IDs of up to 46
+characters (`GPU-<uuid>::1023`) in each of its two lists, 1,537,352 bytes; an Allocate naming every one of them is
+768,676 bytes (tests/unit/test_plugin_server.py builds both from the plan of hgx-16-nvswitch). 2 MiB leaves a
+third more than the largest."""
+
+
+def plugin_server(servicer: DevicePluginServicer, address: str) -> grpc.aio.Server:
+    """A grpc.aio server of `servicer`'s DevicePlugin service listening on `address` (unix:///path), not yet
+    started; OSError when the address cannot be bound."""
+    server = aio_server(MAX_RECEIVE_BYTES)
+    api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:  # grpc's words for a failed bind: "Failed to bind to address ..."
+        raise OSError(str(err)) from None
+    if not bound:
+        raise OSError(f"grpc could not bind {address}")
+    return server
 
 
 def _dir_inode(path: Path) -> int | None:
@@ -111,32 +126,9 @@ async def register(kubelet_dir: Path, endpoint: str, resource: str, timeout: flo
         )
 
 
-def device_plugin_methods(servicer: Any) -> dict[str, Method]:
-    """The DevicePlugin service's methods, answered by `servicer`'s handlers of the same names."""
-    return {
-        SERVICE + "GetDevicePluginOptions": Method(servicer.GetDevicePluginOptions, api_pb2.Empty.FromString),
-        SERVICE + "ListAndWatch": Method(servicer.ListAndWatch, api_pb2.Empty.FromString, streams=True),
-        SERVICE + "GetPreferredAllocation": Method(servicer.GetPreferredAllocation,
-                                                   api_pb2.PreferredAllocationRequest.FromString),
-        SERVICE + "Allocate": Method(servicer.Allocate, api_pb2.AllocateRequest.FromString),
-        SERVICE + "PreStartContainer": Method(servicer.PreStartContainer,
-                                              api_pb2.PreStartContainerRequest.FromString),
-    }
-
-
-async def _until(done: Callable[[], bool], timeout: float) -> bool:
-    """Poll `done` without blocking the event loop; False when `timeout` passed first."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not done():
-        if asyncio.get_running_loop().time() >= deadline:
-            return False
-        await asyncio.sleep(STOP_POLL_S)
-    return True
-
-
 @dataclass
 class _Serving:
-    server: CoreServer
+    server: grpc.aio.Server
     socket: Path
     identity: tuple[int, int] | None
 
@@ -170,11 +162,11 @@ class ResourcePlugin:
         self.servicer.open()
         self._generation += 1
         path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
-        server = CoreServer(device_plugin_methods(self.servicer), f"plugin-{_slug(self.resource)}", STREAM_THREADS)
-        if not server.add_port(f"unix://{path}"):
-            server.discard()
-            raise OSError(f"cannot listen on {path}: {_bind_error(path)}")
-        server.start()
+        try:
+            server = plugin_server(self.servicer, f"unix://{path}")
+        except OSError:
+            raise OSError(f"cannot listen on {path}: {_bind_error(path)}") from None
+        await server.start()
         with contextlib.suppress(OSError):
             os.chmod(path, 0o600)
         self._serving = _Serving(server, path, _inode(path))
@@ -198,13 +190,7 @@ class ResourcePlugin:
         if serving is None:
             return
         self.servicer.close()  # streams end now; the grace is for Allocate calls in flight
-        server = serving.server
-        server.stop()
-        if not await _until(server.stopped.is_set, grace or 0):
-            server.cancel()  # what is left after the grace
-        if not await _until(lambda: server.stopped.is_set() and not server.streams.alive(), JOIN_SLACK_S):
-            log.warning("%s: a call was still running %.1fs after its server stopped", self.resource,
-                        (grace or 0) + JOIN_SLACK_S)
+        await serving.server.stop(grace)  # what is still running after the grace is cancelled
         # Remove the socket only if it is still ours: a restarted kubelet may have cleaned it already.
         if _inode(serving.socket) == serving.identity:
             with contextlib.suppress(OSError):

@@ -1,22 +1,24 @@
 """The DevicePlugin service for one resource: lists, allocates and prefers devices from the newest NodeState.
 
-Its handlers run on the threads of the resource's CoreServer (server.py): Allocate, GetPreferredAllocation and the
-options on its polling thread, each ListAndWatch stream on a stream thread. They only read the newest NodeState
-(immutable), and ListAndWatch waits for newer ones with StateBus.wait_newer_blocking.
+Its handlers are coroutines of the resource's grpc.aio server (server.py), on the agent's event loop. They only
+read the newest NodeState (immutable); ListAndWatch awaits newer ones with StateBus.wait_newer. The preferred-
+allocation search, the one handler whose work grows with the node (branch and bound over the GPUs, or thousands of
+replicas), runs on the search executor's threads, so a long search never holds up Allocate, the options or a
+ListAndWatch update.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import grpc
 
-from agent.deviceplugin.coreserver import CallContext
 from agent.deviceplugin.response import NodeFiles, RequestError, ResponseBuilder
-from agent.deviceplugin.v1beta1 import api_pb2
+from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import Device, Resource, ResourcePlan
 from agent.metrics import Metrics
 from agent.state import NodeState, StateBus
@@ -27,9 +29,12 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_ID_LENGTH = 63
 MAX_STREAMS = 4
-"""ListAndWatch streams one resource serves at once. The kubelet holds one per registration; each open stream
-holds one of the server's stream threads while it waits, so a stream beyond the limit is refused rather than left
-waiting for a thread."""
+"""ListAndWatch streams one resource serves at once. The kubelet holds one per registration; a stream beyond the
+limit is refused with RESOURCE_EXHAUSTED, so a client that opens streams and never reads them cannot make the
+agent hold a list for each."""
+SEARCH_THREADS = 2
+"""Threads for the preferred-allocation search, shared by every resource (agent.py): a long search leaves one for
+the next request while the event loop answers everything else."""
 
 PlanOf = Callable[[NodeState], ResourcePlan]
 """The resources of a NodeState (a cached inventory.plan)."""
@@ -93,7 +98,7 @@ class DeviceIndex:
         return list(found.values())
 
 
-class DevicePluginServicer:
+class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """Serves one resource from the newest NodeState; a resource the state no longer has lists no devices."""
 
     def __init__(
@@ -104,8 +109,11 @@ class DevicePluginServicer:
         prefer_for: PreferFor,
         metrics: Metrics | None = None,
         files: NodeFiles | None = None,
+        search: Executor | None = None,
     ) -> None:
         self.resource = resource
+        self._search = search
+        """Where GetPreferredAllocation's search runs (None: the event loop's default executor)."""
         self._files = files or NodeFiles()
         self._metrics = metrics
         self._bus = bus
@@ -113,9 +121,8 @@ class DevicePluginServicer:
         self._prefer_for = prefer_for
         self._generation = _Generation()
         self._streams = 0
-        self._lock = threading.Lock()
         self._index: tuple[Resource, DeviceIndex] | None = None
-        """(resource, its index) in one attribute: the handler threads share it and replace it whole."""
+        """(resource, its index) in one attribute: the loop and the search threads share it and replace it whole."""
         self._builder: tuple[NodeState, ResponseBuilder] | None = None
         """(state, the Allocate response builder for it), likewise."""
         self._counters: dict[str, Any] = {}
@@ -127,8 +134,7 @@ class DevicePluginServicer:
 
     def close(self) -> None:
         """End every open ListAndWatch stream (the server is about to stop)."""
-        self._generation.closed = True
-        self._bus.wake()
+        self._generation.closed.set()
 
     def _resource(self, state: NodeState) -> Resource:
         return self._plan_of(state).resources.get(self.resource) or Resource(self.resource, ())
@@ -165,116 +171,126 @@ class DevicePluginServicer:
             child = self._counters[name] = getattr(self._metrics, name).labels(resource=self.resource)
         return child
 
-    def GetDevicePluginOptions(
-        self, request: api_pb2.Empty, context: CallContext
+    async def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
     ) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    def ListAndWatch(
-        self, request: api_pb2.Empty, context: CallContext
-    ) -> Iterator[api_pb2.ListAndWatchResponse]:
-        with self._lock:
-            full = self._streams >= MAX_STREAMS
-            self._streams += not full
-        if full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"ListAndWatch for {self.resource} already has {MAX_STREAMS} open streams")
+    async def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        if self._streams >= MAX_STREAMS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"ListAndWatch for {self.resource} already has {MAX_STREAMS} open streams")
+        self._streams += 1
         try:
-            yield from self._list_and_watch(context)
+            generation = self._generation
+            state = self._bus.current
+            sent = self._resource(state).devices
+            yield to_proto(sent)
+            while (newer := await self._newer(state.version, generation)) is not None:
+                state = newer
+                devices = self._resource(state).devices
+                if devices != sent:
+                    sent = devices
+                    log.info("ListAndWatch update for %s: %d devices, %d healthy",
+                             self.resource, len(devices), sum(d.healthy for d in devices))
+                    yield to_proto(devices)
+        finally:  # the stream ended: close(), the client left (the handler is cancelled), or the server stopped
+            self._streams -= 1
+
+    async def _newer(self, version: int, generation: _Generation) -> NodeState | None:
+        """The newest state once it is newer than `version`, or None once `generation` is closed. A state
+        published before the close is still returned, so a stream whose resource vanished sends its empty list
+        before its server stops."""
+        current = self._bus.current
+        if current.version > version:
+            return current
+        if generation.closed.is_set():
+            return None
+        newer = asyncio.ensure_future(self._bus.wait_newer(version))
+        closed = asyncio.ensure_future(generation.closed.wait())
+        try:
+            await asyncio.wait({newer, closed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            with self._lock:
-                self._streams -= 1
+            newer.cancel()
+            closed.cancel()
+        current = self._bus.current
+        return current if current.version > version else None
 
-    def _list_and_watch(self, context: CallContext) -> Iterator[api_pb2.ListAndWatchResponse]:
-        generation = self._generation
-        left = threading.Event()
-
-        def leave() -> None:
-            left.set()
-            self._bus.wake()
-
-        if not context.add_callback(leave):  # called when the RPC ends: a client that goes away ends the wait
-            return
-
-        def ended() -> bool:
-            return generation.closed or left.is_set()
-
-        state = self._bus.current
-        sent = self._resource(state).devices
-        yield to_proto(sent)
-        while True:
-            newer = self._bus.wait_newer_blocking(state.version, ended)
-            if newer is None:
-                return  # the server is stopping or the client left: end the stream, free its thread
-            state = newer
-            devices = self._resource(state).devices
-            if devices != sent:
-                sent = devices
-                log.info("ListAndWatch update for %s: %d devices, %d healthy",
-                         self.resource, len(devices), sum(d.healthy for d in devices))
-                yield to_proto(devices)
-
-    def GetPreferredAllocation(
-        self, request: api_pb2.PreferredAllocationRequest, context: CallContext
+    async def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreferredAllocationResponse:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._search, self.preferred, request)
+        except ValueError as err:  # RequestError, or the allocator's AllocationError
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise  # not reached: abort raises
+
+    def preferred(self, request: api_pb2.PreferredAllocationRequest) -> api_pb2.PreferredAllocationResponse:
+        """GetPreferredAllocation's answer from the newest state (on a search thread); ValueError for a request
+        that cannot be answered."""
         resource, index = self._indexed(self._bus.current)
         devices = resource.devices
         prefer = self._prefer_for(resource)
         responses = []
-        try:
-            for creq in request.container_requests:
-                available = [d.id for d in index.lookup(creq.available_deviceIDs, need_healthy=False)]
-                must = [d.id for d in index.lookup(creq.must_include_deviceIDs, need_healthy=False)]
-                size = creq.allocation_size
-                offered = set(available)
-                outside = [i for i in must if i not in offered]
-                if outside:
-                    # The kubelet offers every must-include device among the available ones.
-                    raise RequestError(f"must-include device {outside[0]} of {self.resource} is not among the "
-                                       "available devices")
-                pool = offered | set(must)
-                if size < 1 or size > len(pool) or len(must) > size:
-                    raise RequestError(
-                        f"cannot choose {size} device(s) of {self.resource} from {len(pool)} available "
-                        f"with {len(must)} required"
-                    )
-                chosen = prefer(devices, available, must, size)
-                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
-        except ValueError as err:  # RequestError, or the allocator's AllocationError
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        for creq in request.container_requests:
+            available = [d.id for d in index.lookup(creq.available_deviceIDs, need_healthy=False)]
+            must = [d.id for d in index.lookup(creq.must_include_deviceIDs, need_healthy=False)]
+            size = creq.allocation_size
+            offered = set(available)
+            outside = [i for i in must if i not in offered]
+            if outside:
+                # The kubelet offers every must-include device among the available ones.
+                raise RequestError(f"must-include device {outside[0]} of {self.resource} is not among the "
+                                   "available devices")
+            pool = offered | set(must)
+            if size < 1 or size > len(pool) or len(must) > size:
+                raise RequestError(
+                    f"cannot choose {size} device(s) of {self.resource} from {len(pool)} available "
+                    f"with {len(must)} required"
+                )
+            chosen = prefer(devices, available, must, size)
+            responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    def Allocate(
-        self, request: api_pb2.AllocateRequest, context: CallContext
+    async def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.AllocateResponse:
+        try:
+            return self.allocate(request)
+        except RequestError as err:
+            if self._metrics:
+                self._counter("allocate_errors").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise  # not reached: abort raises
+
+    def allocate(self, request: api_pb2.AllocateRequest) -> api_pb2.AllocateResponse:
+        """Allocate's answer from the newest state; RequestError for a request that names a device it cannot
+        have."""
         state = self._bus.current
         resource, index = self._indexed(state)
         builder = self._responses(state)
         response = api_pb2.AllocateResponse()
         handed_out = 0
-        try:
-            for creq in request.container_requests:
-                ids = creq.devices_ids
-                if not ids:
-                    raise RequestError(f"allocate request for {self.resource} names no devices")
-                if resource.fail_requests_greater_than_one and len(ids) > 1:
-                    raise RequestError(
-                        f"invalid request: maximum request size for shared resource {self.resource} is 1; "
-                        f"found {len(ids)}"
-                    )
-                chosen = index.lookup(ids, need_healthy=True)
-                builder.fill(response.container_responses.add(), chosen, resource)
-                handed_out += len(chosen)
-        except RequestError as err:
-            if self._metrics:
-                self._counter("allocate_errors").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        for creq in request.container_requests:
+            ids = creq.devices_ids
+            if not ids:
+                raise RequestError(f"allocate request for {self.resource} names no devices")
+            if resource.fail_requests_greater_than_one and len(ids) > 1:
+                raise RequestError(
+                    f"invalid request: maximum request size for shared resource {self.resource} is 1; "
+                    f"found {len(ids)}"
+                )
+            chosen = index.lookup(ids, need_healthy=True)
+            builder.fill(response.container_responses.add(), chosen, resource)
+            handed_out += len(chosen)
         if self._metrics and handed_out:  # counted once the whole call is answered: a refused one hands out none
             self._counter("allocations").inc(handed_out)
         return response
 
-    def PreStartContainer(
-        self, request: api_pb2.PreStartContainerRequest, context: CallContext
+    async def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
 
@@ -283,4 +299,4 @@ class _Generation:
     """The streams of one serve: close() ends them all."""
 
     def __init__(self) -> None:
-        self.closed = False
+        self.closed = asyncio.Event()

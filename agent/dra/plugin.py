@@ -35,6 +35,7 @@ from agent.dra.v1 import api_pb2 as v1
 from agent.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.dra.v1beta1 import api_pb2 as v1beta1
 from agent.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from agent.grpcserver import aio_server
 from agent.podresources import DeviceHolder
 from agent.state import StateBus
 
@@ -47,6 +48,10 @@ SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth
 """What GetInfo lists as supported versions: the gRPC services, newest first, as the kubelet names them. A 1.37
 kubelet opens the health stream only for a plugin that lists a DRAResourceHealth service here (it prefers v1);
 1.35 and 1.36 open it regardless, on v1alpha1; every release ignores the names it does not know."""
+
+MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+"""The largest request the kubelet plugin's server takes (grpc's default, made explicit): the kubelet's
+NodePrepareResources and NodeUnprepareResources name claims by namespace, name and uid, a few hundred bytes each."""
 
 
 class DraKubeletPlugin:
@@ -77,7 +82,7 @@ class DraKubeletPlugin:
             socket.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 socket.unlink()
-        server = grpc.aio.server()
+        server = aio_server(MAX_RECEIVE_BYTES)
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
         v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self), server)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self), server)

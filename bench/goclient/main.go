@@ -2,6 +2,7 @@
 //
 //	bench-grpc call  -socket PATH[,PATH...] -method allocate|preferred -calls N -warmup W -chunk C -seed S -ids ID,...
 //	bench-grpc serve -socket PATH -ids ID,ID,...
+//	bench-grpc load  -socket PATH -method allocate|preferred -clients N -rate R -seconds S -warmup W -seed S -ids ID,...
 //
 // "call" is a client that dials device plugins' unix sockets and calls them the way the kubelet's device
 // manager does (pkg/kubelet/cm/devicemanager: grpc.DialContext with an insecure unix dialer and authority
@@ -9,6 +10,11 @@
 // one JSON object with each call's latency in nanoseconds. The servers take turns, C calls each (A B C A B
 // C ...), so they share the same moments of a busy machine; each gets the same requests, drawn from the
 // seed before the first call.
+//
+// "load" is many kubelet-like clients at once (load in bench/grpc_bench.py): N clients, each on a connection of
+// its own dialled as "call" dials, each calling at random moments (a Poisson process of R calls per second;
+// with R 0, each call as soon as its previous one is answered) for S seconds, one call at a time; it prints one JSON object with every timed call's latency and the most
+// calls that were in flight at once.
 //
 // "serve" is the floor a plugin written in Go has: the same DevicePlugin service on grpc-go, answering
 // Allocate with one fixed response and GetPreferredAllocation with the first devices offered.
@@ -24,6 +30,8 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -42,8 +50,10 @@ func main() {
 		err = call(os.Args[2:])
 	case "serve":
 		err = serve(os.Args[2:])
+	case "load":
+		err = load(os.Args[2:])
 	default:
-		err = fmt.Errorf("unknown command %q: call or serve", os.Args[1])
+		err = fmt.Errorf("unknown command %q: call, serve or load", os.Args[1])
 	}
 	if err != nil {
 		fail(err.Error())
@@ -161,6 +171,141 @@ func call(args []string) error {
 		}
 	}
 	out.WallS = time.Since(began).Seconds()
+	var usage syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &usage); err == nil {
+		out.CPUS = time.Duration(usage.Utime.Nano() + usage.Stime.Nano()).Seconds()
+	}
+	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+type loadResult struct {
+	Method        string    `json:"method"`
+	Clients       int       `json:"clients"`
+	RatePerClient float64   `json:"rate_per_client"`
+	Seconds       float64   `json:"seconds"`
+	Warmup        int       `json:"warmup"`
+	LatencyNs     []int64   `json:"latency_ns"` // every timed call, all clients
+	MaxInFlight   int64     `json:"max_in_flight"`
+	InFlightSeen  []int64   `json:"in_flight_seen"` // calls in flight as each timed call started (itself included)
+	WallS         float64   `json:"wall_s"`
+	CPUS          float64   `json:"cpu_s"`
+	Errors        []string  `json:"errors"`
+	Started       time.Time `json:"started"`
+}
+
+func load(args []string) error {
+	fs := flag.NewFlagSet("load", flag.ContinueOnError)
+	socket := fs.String("socket", "", "the plugin's unix socket")
+	method := fs.String("method", "allocate", "allocate or preferred")
+	clients := fs.Int("clients", 64, "clients, each on a connection of its own")
+	rate := fs.Float64("rate", 5, "calls per second per client (a Poisson process); 0: back to back")
+	seconds := fs.Float64("seconds", 10, "how long the clients call")
+	warmup := fs.Int("warmup", 20, "untimed calls per client first")
+	seed := fs.Uint64("seed", 1, "seed of the request draws and call times")
+	idList := fs.String("ids", "", "the resource's device IDs, comma-separated")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ids, err := splitIDs(*idList)
+	if err != nil {
+		return err
+	}
+	if *socket == "" || *clients < 1 || *rate < 0 || *seconds <= 0 || *warmup < 0 {
+		return fmt.Errorf("-socket, -clients >= 1, -rate >= 0, -seconds > 0 are required")
+	}
+	gap := func(rng *rand.Rand) time.Duration {
+		if *rate == 0 {
+			return 0
+		}
+		return time.Duration(rng.ExpFloat64() / *rate * float64(time.Second))
+	}
+	if *method != "allocate" && *method != "preferred" {
+		return fmt.Errorf("unknown -method %q: allocate or preferred", *method)
+	}
+	stubs := make([]pluginapi.DevicePluginClient, *clients)
+	for i := range stubs {
+		client, conn, err := dial(*socket)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		stubs[i] = client
+	}
+	invoke := func(client pluginapi.DevicePluginClient, rng *rand.Rand, trial int) error {
+		var err error
+		if *method == "allocate" {
+			_, err = client.Allocate(context.Background(), &pluginapi.AllocateRequest{
+				ContainerRequests: []*pluginapi.ContainerAllocateRequest{{DevicesIds: sample(rng, ids, 1+rng.IntN(len(ids)))}},
+			})
+		} else {
+			_, err = client.GetPreferredAllocation(context.Background(), preferredRequest(rng, ids, trial))
+		}
+		return err
+	}
+	rngs := make([]*rand.Rand, *clients)
+	for c := range rngs {
+		rngs[c] = rand.New(rand.NewPCG(*seed, uint64(c)))
+	}
+	for c, client := range stubs {
+		for i := 0; i < *warmup; i++ {
+			if err := invoke(client, rngs[c], i); err != nil {
+				return fmt.Errorf("client %d: warm-up call %d: %v", c, i, err)
+			}
+		}
+	}
+	out := loadResult{Method: *method, Clients: *clients, RatePerClient: *rate, Seconds: *seconds, Warmup: *warmup,
+		Errors: []string{}}
+	var (
+		mu       sync.Mutex
+		inFlight atomic.Int64
+		maxSeen  atomic.Int64
+		wg       sync.WaitGroup
+	)
+	out.Started = time.Now()
+	end := out.Started.Add(time.Duration(*seconds * float64(time.Second)))
+	for c, client := range stubs {
+		wg.Add(1)
+		go func(c int, client pluginapi.DevicePluginClient) {
+			defer wg.Done()
+			rng := rngs[c]
+			next := out.Started.Add(gap(rng))
+			var latencies, seen []int64
+			var errs []string
+			for trial := 0; next.Before(end); trial++ {
+				time.Sleep(time.Until(next))
+				now := inFlight.Add(1)
+				for {
+					top := maxSeen.Load()
+					if now <= top || maxSeen.CompareAndSwap(top, now) {
+						break
+					}
+				}
+				start := time.Now()
+				err := invoke(client, rng, trial)
+				took := time.Since(start).Nanoseconds()
+				inFlight.Add(-1)
+				if err != nil {
+					errs = append(errs, fmt.Sprintf("client %d call %d: %v", c, trial, err))
+				} else {
+					latencies = append(latencies, took)
+					seen = append(seen, now)
+				}
+				if *rate == 0 {
+					next = time.Now()
+				} else {
+					next = next.Add(gap(rng))
+				}
+			}
+			mu.Lock()
+			out.LatencyNs = append(out.LatencyNs, latencies...)
+			out.InFlightSeen = append(out.InFlightSeen, seen...)
+			out.Errors = append(out.Errors, errs...)
+			mu.Unlock()
+		}(c, client)
+	}
+	wg.Wait()
+	out.WallS = time.Since(out.Started).Seconds()
+	out.MaxInFlight = maxSeen.Load()
 	var usage syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &usage); err == nil {
 		out.CPUS = time.Duration(usage.Utime.Nano() + usage.Stime.Nano()).Seconds()

@@ -1,10 +1,13 @@
-"""Kubelet restarts: the agent registers again within a second every time, a hundred times in a row, without
-leaking file descriptors or threads; a kubelet that stays away makes the agent unready until it is back."""
+"""Kubelet restarts: the agent registers again within a second every time, a hundred times in a row and once a
+second for a minute with a client's calls going on, without leaking file descriptors or threads; a kubelet that
+stays away makes the agent unready until it is back."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+import time
 
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.simulate import StandInKubelet
@@ -69,6 +72,40 @@ async def test_a_hundred_kubelet_restarts_each_reregister_within_a_second_withou
         assert plugin_sockets(rig) == [rig.kubelet.plugins[RESOURCE].endpoint]
         assert await allocate_one(rig, expected[5][0]) == {"NVIDIA_VISIBLE_DEVICES": expected[5][0]}
         assert open_fds() <= fds + FD_SLACK, f"{open_fds()} descriptors open after {RESTARTS} restarts, {fds} before"
+        assert threading.active_count() <= threads
+        assert os_threads() <= tasks + OS_THREAD_SLACK
+
+
+PACED_RESTARTS = 60
+"""A kubelet restart every second for a minute."""
+
+
+async def test_a_kubelet_restart_every_second_for_a_minute_reregisters_each_time_without_leaks() -> None:
+    async with running_agent("dgx-h100") as rig:
+        plugin = rig.agent.plugins.plugins[RESOURCE]
+        expected = [(d.ID, "Healthy") for d in rig.devices()]
+        await rig.restart_kubelet()
+        await wait_until(lambda: listed(rig.kubelet, expected), REREGISTER_S, "re-registration after warm-up")
+        assert await allocate_one(rig, expected[0][0]) == {"NVIDIA_VISIBLE_DEVICES": expected[0][0]}
+        fds, threads, tasks = open_fds(), threading.active_count(), os_threads()
+        registrations = plugin.registrations
+        started = time.monotonic()
+        slowest = 0.0
+        for restart in range(1, PACED_RESTARTS + 1):
+            await asyncio.sleep(max(0.0, started + restart - time.monotonic()))
+            restarted = time.monotonic()
+            await rig.restart_kubelet()
+            await wait_until(lambda: listed(rig.kubelet, expected), REREGISTER_S,
+                             f"re-registration after kubelet restart {restart}")
+            slowest = max(slowest, time.monotonic() - restarted)
+            # The server on the new socket answers at once, as the kubelet's first pod start would need.
+            device = expected[restart % len(expected)][0]
+            assert await allocate_one(rig, device) == {"NVIDIA_VISIBLE_DEVICES": device}
+        assert time.monotonic() - started >= PACED_RESTARTS
+        assert plugin.registrations - registrations == PACED_RESTARTS
+        assert slowest < REREGISTER_S
+        assert plugin_sockets(rig) == [rig.kubelet.plugins[RESOURCE].endpoint]
+        assert open_fds() <= fds + FD_SLACK, f"{open_fds()} descriptors open after a minute of restarts, {fds} before"
         assert threading.active_count() <= threads
         assert os_threads() <= tasks + OS_THREAD_SLACK
 

@@ -16,6 +16,6 @@ def test_an_unknown_section_is_refused_naming_the_choices(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.splitlines()[-1] == (
-        "run.py: error: --only: unknown section(s) flor; choose from preferred, allocate, many_devices, health, "
-        "telemetry, mig_apply, floor, process, apiserver")
+        "run.py: error: --only: unknown section(s) flor; choose from preferred, allocate, many_clients, "
+        "many_devices, health, telemetry, mig_apply, floor, process, apiserver")
     assert not out.exists()

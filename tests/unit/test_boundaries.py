@@ -477,7 +477,7 @@ def test_running_simulate_or_the_agent_without_an_api_server_loads_no_http_clien
 
 CONSUMERS = {
     "device plugin": ("agent/deviceplugin/server.py", "agent/deviceplugin/servicer.py",
-                      "agent/deviceplugin/coreserver.py", "agent/deviceplugin/response.py"),
+                      "agent/deviceplugin/response.py"),
     "node reconciler": ("agent/kube/reconciler.py",),
     "slice publisher": ("agent/dra/publisher.py",),
     "DRA kubelet plugin": ("agent/dra/plugin.py", "agent/dra/prepare.py", "agent/dra/health.py",

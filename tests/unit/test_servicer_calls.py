@@ -1,21 +1,26 @@
 """The DevicePlugin service of one resource over real gRPC on a unix socket, without an agent or a kubelet:
-what the kubelet gets back from each call, and what it is refused with."""
+what the kubelet gets back from each call, and what it is refused with. The server (server.plugin_server, as the
+agent serves each resource) runs on an event loop of its own thread; the test calls it with grpc's blocking
+client, as a kubelet in another process would."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
-from collections.abc import Iterator
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import grpc
 import pytest
 
 from agent.config import parse_config
-from agent.deviceplugin.coreserver import CoreServer
 from agent.deviceplugin.response import NodeFiles
-from agent.deviceplugin.server import STREAM_THREADS, device_plugin_methods
-from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.deviceplugin.server import plugin_server
+from agent.deviceplugin.servicer import DevicePluginServicer, PreferFor
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import PlanCache
 from agent.metrics import Metrics
@@ -31,6 +36,35 @@ DGX_NUMA = [0, 0, 0, 0, 1, 1, 1, 1]
 """The DGX H100's GPUs 0-3 sit on NUMA node 0, 4-7 on node 1."""
 
 
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An event loop on a thread of its own, where the server under test and its state bus live."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, work: Awaitable[T], timeout: float = 10) -> T:
+        async def wrapped() -> T:
+            return await work
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result(timeout)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def wrapped() -> T:
+            return fn()
+
+        return self.run(wrapped())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 @dataclass
 class Served:
     stub: api_pb2_grpc.DevicePluginStub
@@ -39,29 +73,46 @@ class Served:
     metrics: Metrics
     ids: list[str]
     """The GPU UUIDs, by index."""
+    loop: LoopThread
+    server: Any
+    target: str
+
+    def update(self, **changes: Any) -> NodeState:
+        """Publish the current state with `changes`, as a producer of the agent does."""
+        return self.loop.run(self.bus.update(**changes))
+
+    def close(self) -> None:
+        """End every open ListAndWatch stream, as the agent does before it stops a server."""
+        self.loop.call(self.servicer.close)
 
 
 @contextlib.contextmanager
-def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = None) -> Iterator[Served]:
-    bus = StateBus(state)
-    metrics = Metrics()
-    servicer = DevicePluginServicer(resource, bus, PlanCache(), Preferences(lambda: bus.current), metrics, files)
-    server = CoreServer(device_plugin_methods(servicer), "test-plugin", STREAM_THREADS)
+def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = None,
+            prefer_for: PreferFor | None = None, search: Executor | None = None) -> Iterator[Served]:
     directory = short_dir()
     target = f"unix://{directory}/plugin.sock"
-    assert server.add_port(target)
-    servicer.open()
-    server.start()
+    loop = LoopThread()
+
+    async def start() -> tuple[StateBus, Metrics, DevicePluginServicer, Any]:
+        bus = StateBus(state)
+        metrics = Metrics()
+        servicer = DevicePluginServicer(resource, bus, PlanCache(), prefer_for or Preferences(lambda: bus.current),
+                                        metrics, files, search)
+        servicer.open()
+        server = plugin_server(servicer, target)
+        await server.start()
+        return bus, metrics, servicer, server
+
+    bus, metrics, servicer, server = loop.run(start())
     channel = grpc.insecure_channel(target)
     try:
         yield Served(api_pb2_grpc.DevicePluginStub(channel), bus, servicer, metrics,
-                     [g.uuid for g in state.inventory.gpus])
+                     [g.uuid for g in state.inventory.gpus], loop, server, target)
     finally:
-        servicer.close()
+        loop.call(servicer.close)
         channel.close()
-        server.stop()
-        server.cancel()
-        assert server.stopped.wait(5)
+        loop.run(server.stop(0))
+        loop.close()
         shutil.rmtree(directory)
 
 
@@ -108,7 +159,7 @@ def test_options_offer_preferred_allocation_and_no_pre_start() -> None:
     assert (options.pre_start_required, options.get_preferred_allocation_available) == (False, True)
 
 
-async def test_list_and_watch_sends_the_list_then_each_change() -> None:
+def test_list_and_watch_sends_the_list_then_each_change() -> None:
     with serving(node()) as served:
         stream = served.stub.ListAndWatch(api_pb2.Empty())
         first = next(stream)
@@ -116,15 +167,15 @@ async def test_list_and_watch_sends_the_list_then_each_change() -> None:
         assert [d.health for d in first.devices] == ["Healthy"] * 8
         assert [[n.ID for n in d.topology.nodes] for d in first.devices] == [[n] for n in DGX_NUMA]
         # A state that changes nothing this resource lists sends nothing; the next change does.
-        await served.bus.update(mig_request="all-disabled")
-        await served.bus.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
+        served.update(mig_request="all-disabled")
+        served.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
         second = next(stream)
         assert [d.health for d in second.devices] == ["Healthy"] * 5 + ["Unhealthy"] + ["Healthy"] * 2
         assert [d.ID for d in second.devices] == served.ids
         stream.cancel()
 
 
-async def test_a_resource_the_state_does_not_have_lists_no_devices() -> None:
+def test_a_resource_the_state_does_not_have_lists_no_devices() -> None:
     with serving(node(), resource="nvidia.com/mig-1g.10gb") as served:
         stream = served.stub.ListAndWatch(api_pb2.Empty())
         assert list(next(stream).devices) == []
@@ -136,8 +187,22 @@ def test_close_ends_every_open_stream() -> None:
     with serving(node()) as served:
         streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(2)]
         assert [len(next(s).devices) for s in streams] == [8, 8]
-        served.servicer.close()
+        served.close()
         assert [list(s) for s in streams] == [[], []]
+
+
+def test_a_change_published_just_before_close_still_reaches_the_stream_before_it_ends() -> None:
+    with serving(node()) as served:
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        assert len(next(stream).devices) == 8
+
+        async def change_then_close() -> None:  # as a resource vanishes and its server is stopped at once
+            await served.bus.update(health={served.ids[1]: DeviceHealth(False, "XID 79")})
+            served.servicer.close()
+
+        served.loop.run(change_then_close())
+        assert [d.health for d in next(stream).devices] == ["Healthy", "Unhealthy"] + ["Healthy"] * 6
+        assert list(stream) == []
 
 
 def test_a_fifth_stream_is_refused_until_one_ends() -> None:
@@ -192,10 +257,10 @@ def test_preferred_allocation_refuses_what_cannot_be_chosen() -> None:
         assert preferred(served, ids[:2], 2, must=ids[:2]) == ids[:2]
 
 
-async def test_preferred_allocation_offers_unhealthy_devices_the_kubelet_lists() -> None:
+def test_preferred_allocation_offers_unhealthy_devices_the_kubelet_lists() -> None:
     with serving(node()) as served:
         ids = served.ids
-        await served.bus.update(health={ids[1]: DeviceHealth(False, "XID 48")})
+        served.update(health={ids[1]: DeviceHealth(False, "XID 48")})
         assert preferred(served, ids[:2], 2) == ids[:2]
 
 
@@ -223,10 +288,10 @@ def test_allocate_answers_each_container_and_counts_the_devices() -> None:
         assert counter(served.metrics, "gpu_agent_allocate_errors_total") is None
 
 
-async def test_allocate_refuses_empty_unknown_and_unhealthy_and_counts_refusals() -> None:
+def test_allocate_refuses_empty_unknown_and_unhealthy_and_counts_refusals() -> None:
     with serving(node()) as served:
         ids = served.ids
-        await served.bus.update(health={ids[2]: DeviceHealth(False, "XID 48"), ids[4]: DeviceHealth(False)})
+        served.update(health={ids[2]: DeviceHealth(False, "XID 48"), ids[4]: DeviceHealth(False)})
         bad = grpc.StatusCode.INVALID_ARGUMENT
         assert refused_allocate(served, [ids[0]], []) == (bad, "allocate request for nvidia.com/gpu names no devices")
         assert refused_allocate(served, [ids[0], "GPU-x"]) == (
@@ -310,14 +375,14 @@ def test_a_sixth_stream_is_refused_after_one_of_five_ended() -> None:
             s.cancel()
 
 
-async def test_list_and_watch_sends_nothing_for_a_state_that_changes_no_device() -> None:
+def test_list_and_watch_sends_nothing_for_a_state_that_changes_no_device() -> None:
     with serving(node()) as served:
         stream = served.stub.ListAndWatch(api_pb2.Empty())
         next(stream)
-        await served.bus.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
+        served.update(health={served.ids[5]: DeviceHealth(False, "XID 79")})
         assert [d.health for d in next(stream).devices].count("Unhealthy") == 1
-        await served.bus.update(mig_request="all-disabled")
-        await served.bus.update(health={})
+        served.update(mig_request="all-disabled")
+        served.update(health={})
         assert [d.health for d in next(stream).devices] == ["Healthy"] * 8
         stream.cancel()
 
@@ -331,26 +396,26 @@ def test_gpus_without_a_numa_node_are_listed_without_topology() -> None:
         stream.cancel()
 
 
-async def test_calls_after_a_change_see_the_new_state() -> None:
+def test_calls_after_a_change_see_the_new_state() -> None:
     with serving(node()) as served:
         ids = served.ids
         assert preferred(served, ids, 1) == [ids[0]]
         (first,) = allocate(served, [ids[2]]).container_responses
         assert dict(first.envs) == {"NVIDIA_VISIBLE_DEVICES": ids[2]}
-        await served.bus.update(health={ids[2]: DeviceHealth(False, "XID 48")})
+        served.update(health={ids[2]: DeviceHealth(False, "XID 48")})
         assert refused_allocate(served, [ids[2]])[1] == (
             f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
         # An unhealthy device may still be offered and required in a preference: the kubelet decides.
         assert preferred(served, ids[1:3], 2, must=[ids[2]]) == ids[1:3]
         # A state that changes none of the devices: the same answers.
-        await served.bus.update(mig_request="all-disabled")
+        served.update(mig_request="all-disabled")
         assert refused_allocate(served, [ids[2]])[1] == (
             f"device {ids[2]} of resource nvidia.com/gpu is unhealthy: XID 48")
         assert dict(allocate(served, [ids[1]]).container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": ids[1]}
         # A new config: the responses follow it.
         flags = parse_config("version: v1\nflags:\n  gdrcopyEnabled: true\n  plugin:\n"
                              "    deviceListStrategy: volume-mounts\n").flags
-        await served.bus.update(config=served.bus.current.config.model_copy(update={"flags": flags}), health={})
+        served.update(config=served.bus.current.config.model_copy(update={"flags": flags}), health={})
         (second,) = allocate(served, [ids[2]]).container_responses
         assert dict(second.envs) == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices",
                                      "NVIDIA_GDRCOPY": "enabled"}
@@ -386,7 +451,7 @@ def four_a100s(numa: list[int], nvlink_pairs: list[tuple[int, int]], minors: lis
                          gpus=tuple(replace(gpu(i, numa[i]), minor=minors[i]) for i in range(4)), links=links)
 
 
-async def test_a_new_inventory_reaches_preferences_and_device_specs() -> None:
+def test_a_new_inventory_reaches_preferences_and_device_specs() -> None:
     config = parse_config("version: v1\nflags:\n  plugin:\n    passDeviceSpecs: true\n")
     before = four_a100s([0, 0, 1, 1], [(0, 1), (2, 3)], [0, 1, 2, 3])
     with serving(NodeState(version=1, inventory=before, config=config)) as served:
@@ -396,7 +461,7 @@ async def test_a_new_inventory_reaches_preferences_and_device_specs() -> None:
         assert [d.container_path for d in container.devices] == ["/dev/nvidia1"]
         # The same GPUs, re-cabled and renumbered: GPU 0's NVLink and NUMA partner is now GPU 2, GPU 1 is minor 3.
         after = four_a100s([0, 1, 0, 1], [(0, 2), (1, 3)], [0, 3, 2, 1])
-        await served.bus.update(inventory=after)
+        served.update(inventory=after)
         assert preferred(served, ids, 2, must=[ids[0]]) == [ids[0], ids[2]]
         (container,) = allocate(served, [ids[1]]).container_responses
         assert [d.container_path for d in container.devices] == ["/dev/nvidia3"]
