@@ -1,9 +1,11 @@
-"""DRA mode against a real kube-apiserver: XID to the GPU withdrawn from the agent's ResourceSlice.
+"""DRA mode against a real kube-apiserver: XID to the GPU out of the agent's ResourceSlice.
 
 The agent runs in this process on the fake NVML in DRA mode, with `NodeApi` connected to the rig as the
 DaemonSet's agent connects to its cluster. The benchmark sees the slice through its own watch (raw JSON lines,
-stamped on arrival), never through the agent. The rig's API server has the DRADeviceTaints gate off, so an
-unhealthy GPU leaves the slice (docs/dra.md). Nothing here decides pass or fail; `bench/run.py` holds the budgets.
+stamped on arrival), never through the agent. An unhealthy GPU leaves the slice, or stays in it with a NoSchedule
+taint where the API server keeps device taints (on by default from Kubernetes 1.36; docs/dra.md): either way it
+is out of what the scheduler allocates, and that moment is measured. Nothing here decides pass or fail;
+`bench/run.py` holds the budgets.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ GROUP, VERSION, PLURAL = "resource.k8s.io", "v1", "resourceslices"
 
 
 class SliceWatch:
-    """Every version of one ResourceSlice the API server sends on a watch: (arrival, device names)."""
+    """Every version of one ResourceSlice the API server sends on a watch: (arrival, the names of the devices
+    the scheduler may allocate: those in the slice without a NoSchedule or NoExecute taint)."""
 
     def __init__(self, custom: client.CustomObjectsApi, name: str) -> None:
         self._custom = custom
@@ -70,7 +73,9 @@ class SliceWatch:
                         raise RuntimeError(f"the benchmark's slice watch failed: {event['object']}")
                     found = event["object"]
                     self._resource_version = found["metadata"]["resourceVersion"]
-                    names = tuple(d["name"] for d in (found.get("spec") or {}).get("devices") or [])
+                    names = tuple(d["name"] for d in (found.get("spec") or {}).get("devices") or []
+                                  if not any(t.get("effect") in ("NoSchedule", "NoExecute")
+                                             for t in d.get("taints") or []))
                     async with self._changed:
                         self.versions.append((arrived, () if event["type"] == "DELETED" else names))
                         self._changed.notify_all()
@@ -111,7 +116,7 @@ async def watching(kubeconfig: Path, name: str) -> AsyncIterator[SliceWatch]:
 async def xid_to_withdrawal(kubeconfig: Path, node: str, preset: str, injections: int,
                             rng: random.Random) -> dict[str, Any]:
     """Time from `inject_xid(gpu, 48)` to the arrival, on the benchmark's watch, of the slice version without
-    that GPU. One agent; after each injection the GPU is reset (its ECC count cleared), and the next injection
+    that GPU among the allocatable devices (withdrawn or tainted). One agent; after each injection the GPU is reset (its ECC count cleared), and the next injection
     waits until the slice has it again. Each goes to a random GPU after a random 0..EVENT_WAIT_MS pause."""
     root = short_dir()
     kubelet_dir = root / "kubelet" / "device-plugins"

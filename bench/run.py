@@ -467,14 +467,14 @@ async def measure(plan: Plan, seed: int, workdir: Path,
                 withdrawal = await dra_bench.xid_to_withdrawal(kubeconfig, DRA_NODE, DRA_PRESET,
                                                                plan.taint_injections, _rng(seed, "dra"))
             details["dra_withdrawal"] = withdrawal
-            label = (f"DRA mode: XID {withdrawal['xid']} to the GPU withdrawn from the agent's ResourceSlice in "
-                     f"kube-apiserver ({DRA_PRESET})")
+            label = (f"DRA mode: XID {withdrawal['xid']} to the GPU out of what the agent's ResourceSlice offers "
+                     f"in kube-apiserver (withdrawn, or tainted where the server keeps device taints; {DRA_PRESET})")
             figures += [
                 figure("dra.withdrawal.p50", f"{label}, p50", withdrawal["p50_ms"], "ms"),
                 figure("dra.withdrawal.p99", f"{label}, p99", withdrawal["p99_ms"], "ms", "<", TAINT_MS),
                 figure("dra.withdrawal.max", f"{label}, max", withdrawal["max_ms"], "ms", "<", TAINT_MS),
             ]
-            print(f"DRA XID to withdrawal: p50 {withdrawal['p50_ms']} ms, p99 {withdrawal['p99_ms']} ms, max "
+            print(f"DRA XID to the GPU out of the slice: p50 {withdrawal['p50_ms']} ms, p99 {withdrawal['p99_ms']} ms, max "
                   f"{withdrawal['max_ms']} ms over {withdrawal['calls']} injections; {plan.steady_state_s:.0f} s of "
                   "steady state ...", flush=True)
 
