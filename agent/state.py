@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, TypedDict
@@ -135,27 +134,12 @@ class NodeState:
 class StateBus:
     """Holds the newest NodeState and wakes consumers when a newer one is published.
 
-    Lives on the event loop; producers on other threads publish with loop.call_soon_threadsafe. Consumers on
-    other threads wait with wait_newer_blocking.
+    Lives on the event loop; producers on other threads publish with loop.call_soon_threadsafe.
     """
 
     def __init__(self, initial: NodeState) -> None:
         self._state = initial
         self._changed = asyncio.Condition()
-        self._published = threading.Condition()
-        """Notified with every new state, for consumers on other threads."""
-
-    def wake(self) -> None:
-        """Wake every wait_newer_blocking caller to check its `until` again (call after making it true)."""
-        with self._published:
-            self._published.notify_all()
-
-    def wait_newer_blocking(self, version: int, until: Callable[[], bool]) -> NodeState | None:
-        """From a thread other than the event loop's: block until a state above `version` is published and
-        return it, or return None once `until()` is true (whoever makes it true calls wake())."""
-        with self._published:
-            self._published.wait_for(lambda: self._state.version > version or until())
-            return self._state if self._state.version > version else None
 
     @property
     def current(self) -> NodeState:
@@ -167,14 +151,12 @@ class StateBus:
         async with self._changed:
             self._state = state
             self._changed.notify_all()
-            self.wake()
 
     async def update(self, **changes: Unpack[Evolution]) -> NodeState:
         """Publish the current state with the given fields replaced; returns the new version."""
         async with self._changed:
             self._state = self._state.evolve(**changes)
             self._changed.notify_all()
-            self.wake()
             return self._state
 
     async def record(self, incidents: list[tuple[str, str, str]], **changes: Unpack[Changes]) -> NodeState:
@@ -188,7 +170,6 @@ class StateBus:
             kept = [i for i in (*state.incidents, *added) if now - i.at <= MAX_INCIDENT_AGE_S][-MAX_INCIDENTS:]
             self._state = state.evolve(incidents=tuple(kept), **changes)
             self._changed.notify_all()
-            self.wake()
             return self._state
 
     async def wait_newer(self, version: int) -> NodeState:
