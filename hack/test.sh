@@ -21,9 +21,10 @@ stage() {
 }
 # pytest in parallel workers (pytest-xdist), each test file whole on one worker so that a module's rig is started
 # once: most of the suite waits on processes, sockets and timers rather than computing, so more workers than cores
-# pay. TEST_WORKERS=0 runs it in this one process.
+# pay. The files go out longest first by the last run's times (tests/conftest.py), not by their number of tests.
+# TEST_WORKERS=0 runs it in this one process.
 workers=${TEST_WORKERS:-4}
-parallel=(-n "$workers" --dist loadfile)
+parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 [[ $workers == 0 ]] && parallel=(-p no:xdist)
 release=$(kube_release)
 releases=$(cd hack/testbin/kube && for d in */go.mod; do echo "${d%/go.mod}"; done | sort -V)
