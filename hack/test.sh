@@ -23,7 +23,7 @@ stage() {
 # once: most of the suite waits on processes, sockets and timers rather than computing, so more workers than cores
 # pay. The files go out longest first by the last run's times (tests/conftest.py), not by their number of tests.
 # TEST_WORKERS=0 runs it in this one process.
-workers=${TEST_WORKERS:-4}
+workers=${TEST_WORKERS:-6}
 parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 [[ $workers == 0 ]] && parallel=(-p no:xdist)
 release=$(kube_release)
@@ -35,8 +35,8 @@ matrix() {
   local r=$1
   stage "Kubernetes $r: test rig" env KUBE="$r" hack/testbin.sh
   stage "Kubernetes $r: the tests that depend on the release (-m matrix)" env KUBE="$r" \
-    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 -m matrix --ignore=tests/e2e
-  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q -m matrix tests/e2e
+    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
+  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e
 }
 
 if [[ ${1:-} == --matrix ]]; then
