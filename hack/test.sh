@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest.
+# The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest; each pytest stage
+# ends with its 25 slowest tests (--durations=25).
 #
 # On the Kubernetes release KUBE (1.35, 1.36, 1.37; default the newest). Without KUBE it then runs the tests that
 # depend on the release (the pytest marker `matrix`) once more on the oldest supported release.
@@ -18,6 +19,13 @@ stage() {
   "$@"
   echo "==> $name: $((SECONDS - t0))s"
 }
+# pytest in parallel workers (pytest-xdist), each test file whole on one worker so that a module's rig is started
+# once: most of the suite waits on processes, sockets and timers rather than computing, so more workers than cores
+# pay. The files go out longest first by the last run's times (tests/conftest.py), not by their number of tests.
+# TEST_WORKERS=0 runs it in this one process.
+workers=${TEST_WORKERS:-6}
+parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+[[ $workers == 0 ]] && parallel=(-p no:xdist)
 release=$(kube_release)
 releases=$(cd hack/testbin/kube && for d in */go.mod; do echo "${d%/go.mod}"; done | sort -V)
 oldest=$(head -n1 <<<"$releases")
@@ -27,8 +35,8 @@ matrix() {
   local r=$1
   stage "Kubernetes $r: test rig" env KUBE="$r" hack/testbin.sh
   stage "Kubernetes $r: the tests that depend on the release (-m matrix)" env KUBE="$r" \
-    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q -m matrix --ignore=tests/e2e
-  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q -m matrix tests/e2e
+    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
+  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e
 }
 
 if [[ ${1:-} == --matrix ]]; then
@@ -48,8 +56,8 @@ if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
 # The fuzz tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
-stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --ignore=tests/e2e
-stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q tests/e2e
+stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 --ignore=tests/e2e
+stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q --durations=25 tests/e2e
 if [[ -z ${KUBE:-} && $oldest != "$release" ]]; then
   echo "==> Kubernetes $oldest (the oldest supported release): the tests that depend on the release"
   matrix "$oldest"

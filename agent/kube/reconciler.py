@@ -198,6 +198,12 @@ class NodeReconciler:
         its Events written); 0 before the first convergence."""
         return self._shown
 
+    @property
+    def busy(self) -> bool:
+        """Whether a view of the Node the watch handed over still waits to be converged with, or a convergence is
+        under way (what a test waits out before it reads "no writes" as "looked and found nothing to write")."""
+        return self._dirty.is_set() or self._lock.locked()
+
     async def converged_at(self, version: int) -> int:
         """Return once the Node shows the intent of NodeState `version` or of a newer one; returns the version
         it shows."""

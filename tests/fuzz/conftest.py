@@ -1,47 +1,18 @@
 """One hypothesis seed for every fuzz test of a run: fresh each run, fixed in CI, printed so that a failure can
-be replayed.
-
-The seed is, in order: `--hypothesis-seed=N`; the environment variable GPU_AGENT_FUZZ_SEED; CI_SEED when CI is
-set (to anything but "", 0 or false; `make test` passes GPU_AGENT_FUZZ_SEED=0); else a fresh random one. Replay a
-run with `GPU_AGENT_FUZZ_SEED=N .venv/bin/pytest -q tests/fuzz` (or `--hypothesis-seed=N`)."""
+be replayed (the rules are in `seed.py`). Replay a run with `GPU_AGENT_FUZZ_SEED=N .venv/bin/pytest -q tests/fuzz`
+(or `--hypothesis-seed=N`)."""
 
 from __future__ import annotations
 
-import os
-import random
 from pathlib import Path
 
 import hypothesis
 import pytest
 
-SEED_ENV = "GPU_AGENT_FUZZ_SEED"
-CI_SEED = 0
+from tests.fuzz.seed import decide, line
+
 HERE = Path(__file__).parent
 _SEED = pytest.StashKey[tuple[int, str]]()
-
-
-def _seed(config: pytest.Config) -> tuple[int, str]:
-    """The seed and where it came from."""
-    given = config.getoption("hypothesis_seed", None)
-    if given is not None:
-        try:
-            return int(given), "--hypothesis-seed"
-        except ValueError:
-            raise pytest.UsageError(f"--hypothesis-seed: {given!r} is not a whole number") from None
-    text = os.environ.get(SEED_ENV, "").strip()
-    if text:
-        try:
-            return int(text), SEED_ENV
-        except ValueError:
-            raise pytest.UsageError(f"{SEED_ENV}: {text!r} is not a whole number") from None
-    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-        return CI_SEED, "CI is set"
-    return random.SystemRandom().randrange(2**32), "fresh"
-
-
-def _line(config: pytest.Config) -> str:
-    seed, source = config.stash[_SEED]
-    return f"fuzz: hypothesis seed {seed} ({source}); replay with {SEED_ENV}={seed} or --hypothesis-seed={seed}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,16 +20,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             and getattr(item.obj, "is_hypothesis_test", False)]
     if not fuzz:
         return
-    config.stash[_SEED] = _seed(config)
+    config.stash[_SEED] = decide(config)
     seed, _ = config.stash[_SEED]
     for item in fuzz:
         # Set on the test hypothesis wraps, which it reads before --hypothesis-seed or derandomize.
         hypothesis.seed(seed)(item.obj)
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        # A pytest-xdist worker: the process that started it prints the line (tests/conftest.py).
+        workeroutput["fuzz_seeded"] = True
+        return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(_line(config))
+        reporter.write_line(line(*config.stash[_SEED]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if _SEED in config.stash:
-        terminalreporter.write_line(_line(config))
+        terminalreporter.write_line(line(*config.stash[_SEED]))

@@ -8,6 +8,7 @@ import asyncio
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuzz.test_hostile_inputs import AGENT, gpu_agent, kubelet_dir, run_agent
+from tests.plugin_harness import short_dir
 
 __all__ = ["kubelet_dir"]  # the fixture, used by name
 
@@ -125,8 +127,8 @@ async def test_a_simulation_ended_by_a_signal_removes_its_directory(tmp_path: Pa
 
     state = tmp_path / "nvml.json"
     FakeNvml(load_node("single-h200"), state).set_driver_loaded(False)  # NVML is retried for about 10 s
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # Its own TMPDIR, short: the simulation's socket paths must fit AF_UNIX's limit under any pytest basetemp.
+    temp = short_dir()
     simulation = await asyncio.create_subprocess_exec(
         *AGENT, "simulate", "--node", "single-h200", "--mock-state", str(state),
         env={**os.environ, "TMPDIR": str(temp)}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -144,6 +146,7 @@ async def test_a_simulation_ended_by_a_signal_removes_its_directory(tmp_path: Pa
         if simulation.returncode is None:
             simulation.kill()
             await simulation.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 # --- flags whose values are not what they claim ----------------------------------------------------------

@@ -38,7 +38,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Session fixtures are torn down by now: any group still alive is a leak the rig must not have.
     leaked = [pgid for pgid in STARTED_GROUPS if group_alive(pgid)]
     if leaked:
-        session.config.get_terminal_writer().line(
-            f"apiserver rig: process groups still running after teardown: {leaked}", red=True
-        )
+        message = f"apiserver rig: process groups still running after teardown: {leaked}"
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:
+            # A pytest-xdist worker: the process that started it fails the run and prints this (tests/conftest.py).
+            workeroutput["leaked"] = message
+        session.config.get_terminal_writer().line(message, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

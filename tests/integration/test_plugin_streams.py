@@ -84,6 +84,19 @@ async def _first_when_open(stub: api_pb2_grpc.DevicePluginStub,
             stream = stub.ListAndWatch(api_pb2.Empty())
 
 
+async def _open_when_free(
+    stub: api_pb2_grpc.DevicePluginStub
+) -> tuple[grpc.aio.UnaryStreamCall, list[tuple[str, str]]]:
+    """A stream the server accepted (opened again while it refuses, as in _first_when_open), and its first list."""
+    while True:
+        stream = stub.ListAndWatch(api_pb2.Empty())
+        try:
+            return stream, await first_list(stream)
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+            await asyncio.sleep(0.01)
+
+
 async def test_streams_that_clients_cancel_never_use_up_the_server() -> None:
     async with running_agent("single-h200") as rig:
         ids = [d.ID for d in rig.devices()]
@@ -94,9 +107,11 @@ async def test_streams_that_clients_cancel_never_use_up_the_server() -> None:
                 assert await _first_when_open(stub, stream) == [(ids[0], "Healthy")]
                 stream.cancel()
             # Three at once still fit beside the kubelet's, and all of them hear of a fault.
-            streams = [stub.ListAndWatch(api_pb2.Empty()) for _ in range(STREAMS - 1)]
-            for stream in streams:
-                assert await _first_when_open(stub, stream) == [(ids[0], "Healthy")]
+            streams = []
+            for _ in range(STREAMS - 1):
+                stream, listed = await _open_when_free(stub)
+                assert listed == [(ids[0], "Healthy")]
+                streams.append(stream)
             rig.fake.inject_xid(0, 48)
             for stream in streams:
                 response = await asyncio.wait_for(stream.read(), 5)

@@ -49,12 +49,14 @@ async def reconciling(node: InMemoryNode) -> AsyncIterator[tuple[NodeReconciler,
 
 async def settle(reconciler: NodeReconciler, bus: StateBus, node: InMemoryNode) -> None:
     """Wait until the reconciler has demonstrably dealt with the newest state and the newest Node version: the
-    Node shows the intent of the bus's current state version, and the Node watch has handed the reconciler
-    every Node version (its own writes included) and been asked for the next one. Only then does "no writes"
-    mean the reconciler looked and found nothing to write."""
+    Node shows the intent of the bus's current state version, the Node watch has handed the reconciler every
+    Node version (its own writes included) and been asked for the next one, and the reconciler has converged
+    with every view it was handed. Only then does "no writes" mean the reconciler looked and found nothing to
+    write."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 5
-    while not (reconciler.converged_version >= bus.current.version and node.watched == node.view.resource_version):
+    while not (reconciler.converged_version >= bus.current.version and node.watched == node.view.resource_version
+               and not reconciler.busy):
         if loop.time() > deadline:
             raise TimeoutError(f"the reconciler did not take in state {bus.current.version} and Node version "
                                f"{node.view.resource_version} (it shows state {reconciler.converged_version}, "

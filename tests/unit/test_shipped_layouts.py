@@ -7,6 +7,7 @@ advertise under migStrategy mixed. Nothing here asks the planner what to expect.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from agent.mig.layout import load_layouts
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.mig_ops import MigOps
-from agent.nvml.nodefile import load_node
+from agent.nvml.nodefile import NodeSpec, load_node
 from agent.state import NodeState
 
 MIXED = parse_config("version: v1\nflags:\n  migStrategy: mixed\n")
@@ -474,6 +475,25 @@ def test_the_table_covers_every_shipped_layout_and_preset() -> None:
     assert all(sorted(row) == presets for row in EXPECTED.values())
 
 
+@dataclass(frozen=True)
+class Look:
+    """What the node shows at one moment, read through one inventory."""
+
+    modes: list[tuple[bool, bool]]
+    """(MIG enabled, mode change pending) per GPU."""
+    mig_devices: list[Counter[str]]
+    """Each GPU's MIG devices by profile."""
+    mig_uuids: int
+    """How many distinct MIG device UUIDs the node shows."""
+    resources: dict[str, int]
+    """What the agent would advertise under migStrategy mixed: devices per resource."""
+    on_disk: bytes | None
+    """The fake's state file."""
+
+    def snapshot(self) -> tuple[list[tuple[bool, bool]], list[Counter[str]], bytes | None]:
+        return self.modes, self.mig_devices, self.on_disk
+
+
 @dataclass
 class Node:
     fake: FakeNvml
@@ -489,25 +509,27 @@ class Node:
         """(MIG enabled, mode change pending) per GPU."""
         return [(s.mig_enabled, s.mig_pending) for s in map(self.ops.state, range(len(self.fake.spec.gpus)))]
 
-    def mig_devices(self) -> list[Counter[str]]:
-        """Each GPU's MIG devices by profile."""
-        found: list[Counter[str]] = [Counter() for _ in self.fake.spec.gpus]
-        for device in self.backend.inventory().mig_devices:
-            found[device.parent_index][device.profile] += 1
-        return found
-
-    def resources(self) -> dict[str, int]:
-        state = NodeState(version=1, inventory=self.backend.inventory(), config=MIXED)
-        return {name: len(r.devices) for name, r in plan(state).resources.items()}
-
-    def snapshot(self) -> tuple[list[tuple[bool, bool]], list[Counter[str]], bytes | None]:
+    def look(self) -> Look:
         on_disk = self.state_file.read_bytes() if self.state_file.exists() else None
-        return self.modes(), self.mig_devices(), on_disk
+        modes = self.modes()
+        inventory = self.backend.inventory()
+        found: list[Counter[str]] = [Counter() for _ in self.fake.spec.gpus]
+        for device in inventory.mig_devices:
+            found[device.parent_index][device.profile] += 1
+        state = NodeState(version=1, inventory=inventory, config=MIXED)
+        resources = {name: len(r.devices) for name, r in plan(state).resources.items()}
+        return Look(modes, found, len({d.uuid for d in inventory.mig_devices}), resources, on_disk)
+
+
+@functools.cache
+def spec(preset: str) -> NodeSpec:
+    """The preset's node, parsed once: a NodeSpec is frozen, and each FakeNvml keeps its state apart from it."""
+    return load_node(preset)
 
 
 def started(preset: str, tmp_path: Path) -> Node:
     state_file = tmp_path / "nvml.json"
-    fake = FakeNvml(load_node(preset), state_file)
+    fake = FakeNvml(spec(preset), state_file)
     backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
     backend.init()
     return Node(fake, backend, MigOps(backend), state_file)
@@ -531,8 +553,8 @@ def test_a_shipped_layout_ends_as_the_table_says(tmp_path: Path, preset: str, na
     expected = EXPECTED[name][preset]
     node = started(preset, tmp_path)
     assert [g.model.nvml_name.removeprefix("NVIDIA ") for g in node.fake.spec.gpus] == [model] * gpus
-    fresh = node.snapshot()
-    assert fresh[0] == [(False, False)] * gpus and fresh[1] == [Counter()] * gpus
+    fresh = node.look()
+    assert fresh.modes == [(False, False)] * gpus and fresh.mig_devices == [Counter()] * gpus
     steps: list[str] = []
 
     result = node.apply(name, steps)
@@ -545,8 +567,9 @@ def test_a_shipped_layout_ends_as_the_table_says(tmp_path: Path, preset: str, na
         assert [line.split(": ", 1)[0] for line in lines] == [f"GPU {i}" for i in range(gpus)], result.reason
         assert all(expected.words in line for line in lines), result.reason
         assert steps == []
-        assert node.snapshot() == fresh
-        assert node.resources() == {"nvidia.com/gpu": gpus}
+        after = node.look()
+        assert after.snapshot() == fresh.snapshot()
+        assert after.resources == {"nvidia.com/gpu": gpus}
         return
 
     if isinstance(expected, Untouched):
@@ -554,8 +577,9 @@ def test_a_shipped_layout_ends_as_the_table_says(tmp_path: Path, preset: str, na
             "success", f"layout {name!r} selects no GPU on this node: none of its device filters and device lists "
             f"matches the node's {gpus} GPU{'s' if gpus != 1 else ''}; nothing changed")
         assert steps == []
-        assert node.snapshot() == fresh
-        assert node.resources() == {"nvidia.com/gpu": expected.gpus}
+        after = node.look()
+        assert after.snapshot() == fresh.snapshot()
+        assert after.resources == {"nvidia.com/gpu": expected.gpus}
         return
 
     mig_on = "nvidia.com/gpu" not in expected.resources
@@ -581,14 +605,15 @@ def test_a_shipped_layout_ends_as_the_table_says(tmp_path: Path, preset: str, na
         assert (result.outcome, result.reason) == ("success", f"layout {name!r} applied: {gpus + creates} change(s)")
         assert len(steps) == gpus + creates
 
-    assert node.modes() == [(mig_on, False)] * gpus
-    assert node.resources() == expected.resources
+    done = node.look()
+    assert done.modes == [(mig_on, False)] * gpus
+    assert done.resources == expected.resources
     one_gpu = per_gpu(expected.resources, gpus)
-    assert [Counter({profile_key(p): n for p, n in c.items()}) for c in node.mig_devices()] == [one_gpu] * gpus
-    assert len({d.uuid for d in node.backend.inventory().mig_devices}) == sum(one_gpu.values()) * gpus
+    assert [Counter({profile_key(p): n for p, n in c.items()}) for c in done.mig_devices] == [one_gpu] * gpus
+    assert done.mig_uuids == sum(one_gpu.values()) * gpus
 
     # Applying it again finds nothing to do.
     again: list[str] = []
     second = node.apply(name, again)
     assert (second.outcome, second.reason, again) == ("success", f"layout {name!r} is already applied", [])
-    assert node.resources() == expected.resources
+    assert node.look().resources == expected.resources
