@@ -171,10 +171,10 @@ class SlicePublisher:
         """Make the slice match `state`; returns whether anything was written. Only a check (`verify`: the first
         sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
         wrote, and a state whose devices are the same costs no request."""
-        await self._read_owner()
         wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
                              taints=self.health_mode != WITHDRAWAL)
         if len(wanted) > 1:  # more devices than one slice takes
+            await self._read_owner()
             self._written = self._stored = None
             return await self._write_pool(state)
         if self._slices_written is not None:  # back to one slice: the others go
@@ -192,6 +192,8 @@ class SlicePublisher:
                     log.info("deleting stale ResourceSlice %s of driver %s", other_name, self.driver)
                     await self._api.delete(other_name)
                     wrote = True
+            self._owner_from(listed)
+        await self._read_owner()
         written = await self._write(state, listed)
         return written or wrote
 
@@ -249,6 +251,20 @@ class SlicePublisher:
             if tainted and not self._keeps_taints(tainted, written):
                 continue  # the API server stopped keeping them (restarted with the gate off)
             return True
+
+    def _owner_from(self, listed: dict[str, Any]) -> None:
+        """The owner from this agent's own slice as a LIST found it: the Node it names there (a restarted agent
+        then needs no GET of its Node). No slice: read the Node again at the next write (it may be a new Node
+        of the same name)."""
+        if not listed:
+            self._owner = None
+            return
+        if self._owner is None:
+            refs = (listed.get("metadata") or {}).get("ownerReferences") or []
+            uids = [r.get("uid") for r in refs if r.get("kind") == "Node" and r.get("name") == self.node]
+            if len(uids) == 1 and uids[0]:
+                self._owner = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": str(uids[0]),
+                                "controller": True}]
 
     async def _read_owner(self) -> None:
         if self._owner is None:

@@ -169,15 +169,22 @@ async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, agent_k
 async def test_a_restarted_agent_takes_its_unchanged_slice_with_one_list_and_no_write(
         apiserver: ApiServer, agent_kubeconfig: Path) -> None:
     """An agent restarted where its slice is still there as it left it (a DaemonSet rollout on a node whose
-    kubelet kept the slice) lists it and writes nothing: the slice keeps its resourceVersion and generation 1."""
+    kubelet kept the slice) lists it and writes nothing: the slice keeps its resourceVersion and generation 1,
+    and the Node that owns it is read from the slice, not asked for again."""
+    def node_gets(agent: Any) -> int:
+        return sum(n for (verb, resource, _), n in agent.api_counts.requests.items()
+                   if (verb, resource) == ("get", "nodes"))
+
     try:
         async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
                 agent, _):
             assert slice_requests(agent) == {("list", "200"): 1, ("post", "201"): 1}
+            assert node_gets(agent) == 1  # the owner's UID, for the new slice
         [before] = await asyncio.to_thread(slices_of, apiserver, "dra-again")
         async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
                 agent, _):
             assert slice_requests(agent) == {("list", "200"): 1}
+            assert node_gets(agent) == 0
         [after] = await asyncio.to_thread(slices_of, apiserver, "dra-again")
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
         assert after["spec"]["pool"]["generation"] == 1
