@@ -138,7 +138,8 @@ def measure(runs: int) -> dict[str, Any]:
         details = {"runs": runs, "preset": PRESET, "cluster_up_without_agent_s": round(up_s, 1),
                    "apply_to_allocatable": apply_to_allocatable(runs),
                    "kubelet_restart": kubelet_restart(runs),
-                   "pod_to_allocate": pod_to_allocate(runs)}
+                   "pod_to_allocate": pod_to_allocate(runs),
+                   "kubelet_version": kubectl("get", "node", NODE, "-o", "jsonpath={.status.nodeInfo.kubeletVersion}")}
     finally:
         subprocess.run([str(HACK / "down.sh")], check=True, timeout=300)
     details["duration_s"] = round(time.monotonic() - started, 1)
@@ -147,7 +148,7 @@ def measure(runs: int) -> dict[str, Any]:
 
 def figures(details: dict[str, Any], figure: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows for bench/results.json (reported, no budget), made with bench/run.py's `figure`."""
-    where = f"real kubelet v1.34.4, {details['preset']}, median of {details['runs']}"
+    where = f"real kubelet {details.get('kubelet_version', 'of the test rig')}, {details['preset']}, median of {details['runs']}"
     rows = [
         ("cluster.apply_to_allocatable", f"DaemonSet applied -> Node Allocatable nvidia.com/gpu 8, {where}",
          details["apply_to_allocatable"]),

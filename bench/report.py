@@ -160,7 +160,8 @@ def _cluster(details: dict[str, Any]) -> list[str]:
         "## On a real single-node cluster",
         "",
         f"`hack/cluster/up.sh` without the agent ({c['cluster_up_without_agent_s']:.0f} s): etcd, kube-apiserver, "
-        "kube-controller-manager, kube-scheduler, containerd and a kubelet v1.34.4 in their own network namespace; "
+        "kube-controller-manager, kube-scheduler, containerd and a kubelet "
+        f"{c.get('kubelet_version', 'of the test rig release')} in their own network namespace; "
         f"the agent's image built from the Dockerfile, on the fake NVML of {c['preset']}; {c['runs']} runs each, "
         "times from the benchmark's own clock, polling every 50 ms.",
         "",
