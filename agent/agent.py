@@ -143,6 +143,10 @@ class Agent:
         """Wire the metrics to the parts and start every task (and the DRA kubelet plugin's server)."""
         bus, monitor, telemetry, opts = self.bus, self.monitor, self.telemetry, self.options
         self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
+        try:
+            await monitor.open()  # before any device is served: no XID after that is missed
+        except Exception as err:  # the health task registers again when it runs, with its restarts
+            log.warning("cannot register for NVML events yet (the health monitor tries again): %s", err)
         self._spawn("device-plugins", self.plugins.run)
         self._spawn("health", monitor.run)
         self.metrics.watch_ready(self.ready)

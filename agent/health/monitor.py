@@ -120,13 +120,20 @@ class HealthMonitor:
             log.info("GPU %s: %s ignored by policy", gpu_uuid, verdict.reason)
         await self._publish()
 
+    async def open(self) -> None:
+        """Register for the GPUs' NVML events (once): from here on NVML keeps every XID for the monitor. The
+        agent calls this before it serves any device, so an XID that comes after a device is offered is never
+        missed (NVML does not deliver events from before a registration)."""
+        if self._event_set is None:
+            self._event_set = await self._nvml(self._backend.open_events)
+
     async def run(self) -> None:
         """Sample and take events until cancelled. The event set stays registered when this fails and is run
         again (the agent's supervisor restarts it): NVML keeps the events a registered set receives, so an XID
         that comes while the monitor restarts is taken when it runs again, not lost."""
-        if self._event_set is None:
-            self._event_set = await self._nvml(self._backend.open_events)
+        await self.open()
         event_set = self._event_set
+        assert event_set is not None
         loop = asyncio.get_running_loop()
         next_sample = 0.0
         while True:
