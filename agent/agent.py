@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agent.daemon")
 """The agent's own lines keep the logger name they have always had (the operations guide and log filters use it)."""
 
+RESTART_BACKOFF_FIRST_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TASK_S = 5.0
 """How long Agent.stop waits for a cancelled task before it cancels it again."""
@@ -55,11 +56,19 @@ ONE_LINE_ERRORS: tuple[type[Exception], ...] = (
 
 
 async def supervise(name: str, run: Callable[[], Awaitable[None]], metrics: Metrics) -> None:
-    """Run a long-lived task forever: log and count each failure, restart it with backoff."""
-    backoff = 0.5
+    """Run a long-lived task forever: log and count each failure, restart it with backoff. The backoff doubles
+    with each failure up to RESTART_BACKOFF_MAX_S and starts again from the first step after a run that lived
+    longer than that: a task that fails now and then is restarted at once, not after the longest wait."""
+    backoff = RESTART_BACKOFF_FIRST_S
+    loop = asyncio.get_running_loop()
     while True:
+        started = loop.time()
         try:
-            await run()
+            try:
+                await run()
+            finally:
+                if loop.time() - started > RESTART_BACKOFF_MAX_S:
+                    backoff = RESTART_BACKOFF_FIRST_S
             log.error("task %s returned; restarting", name)
         except asyncio.CancelledError:
             raise

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
-from agent.nvml.backend import NvmlBackend
+from agent.nvml.backend import EventSetGone, NvmlBackend
 from agent.nvml.records import HealthReading
 from agent.state import DeviceHealth, StateBus
 
@@ -129,8 +129,9 @@ class HealthMonitor:
 
     async def run(self) -> None:
         """Sample and take events until cancelled. The event set stays registered when this fails and is run
-        again (the agent's supervisor restarts it): NVML keeps the events a registered set receives, so an XID
-        that comes while the monitor restarts is taken when it runs again, not lost."""
+        again (the agent's supervisor restarts it), a failed wait for events included: NVML keeps the events a
+        registered set receives, so an XID that comes while the monitor restarts is taken when it runs again, not
+        lost. Only a set NVML no longer knows is given up and registered anew."""
         await self.open()
         event_set = self._event_set
         assert event_set is not None
@@ -142,8 +143,8 @@ class HealthMonitor:
                 next_sample = loop.time() + self._policy.sample_interval_seconds
             try:
                 event = await self._nvml(lambda: self._backend.wait_event(event_set, EVENT_WAIT_MS))
-            except Exception:
-                await self.close()  # the event set itself failed: the next run registers a new one
+            except EventSetGone:
+                await self.close()  # NVML lost the set itself: the next run registers a new one
                 raise
             if event is not None:
                 await self.on_xid(event.gpu_uuid, event.xid)

@@ -56,6 +56,11 @@ WHOLE_GPU = 0xFFFFFFFF
 NumaLookup = Callable[[str], int | None]
 ImexLookup = Callable[[], tuple[int, ...]]
 
+class EventSetGone(RuntimeError):
+    """NVML no longer knows the event set (it answered Invalid Argument or Uninitialized to a wait): a new one
+    must be registered. Any other failed wait leaves the set registered, and the events it receives kept."""
+
+
 class NvmlUnavailable(RuntimeError):
     """NVML cannot be used: no driver, no library, or initialisation failed."""
 
@@ -371,6 +376,8 @@ class NvmlBackend:
             data = self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
         except pynvml.NVMLError_Timeout:
             return None
+        except (pynvml.NVMLError_InvalidArgument, pynvml.NVMLError_Uninitialized) as err:
+            raise EventSetGone(f"waiting for NVML events: {err}") from None
         # A double-bit ECC event carries no XID; it is the condition XID 48 reports.
         double_bit = int(data.eventType) == pynvml.nvmlEventTypeDoubleBitEccError
         xid = 48 if double_bit else int(data.eventData)

@@ -281,3 +281,17 @@ async def test_an_xid_while_the_monitor_restarts_is_not_lost() -> None:
         # ... and is taken once it runs again: the event set stayed registered.
         await wait_until(lambda: rig.health()[2] == "Unhealthy", 10, "GPU 2 unhealthy after the XID")
         assert monitor.xid_counts == {(rig.uuid(2), 79): 1}
+
+
+async def test_an_xid_after_a_failed_wait_for_events_is_not_lost() -> None:
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=node) as rig:
+        monitor = rig.agent.monitor
+        # The wait for events fails (a driver hiccup); the supervisor restarts the monitor after a backoff ...
+        rig.fake.fail_next("nvmlEventSetWait_v2", pynvml.NVML_ERROR_UNKNOWN)
+        await wait_until(lambda: rig.restarts().get("health") == 1, 10, "the health task restarted")
+        # ... the XID that lands meanwhile is kept by the event set, which stayed registered ...
+        rig.fake.inject_xid(3, 79)
+        await wait_until(lambda: rig.health()[3] == "Unhealthy", 10, "GPU 3 unhealthy after the XID")
+        assert monitor.xid_counts == {(rig.uuid(3), 79): 1}
+
