@@ -2,7 +2,9 @@
 
 - DaemonSet applied -> the Node's Allocatable shows the GPUs (on a node whose kubelet had no agent before);
 - kubelet restart -> the agent registered again (the kubelet's own log line) and Allocatable back on the Node;
-- GPU pod created -> the agent answered Allocate (its gpu_agent_allocations_total counter, read from /metrics).
+- GPU pod created -> the agent answered Allocate (its gpu_agent_allocations_total counter, read from /metrics);
+- a burst of 50 single-GPU pods created at once on the node shared by time-slicing (8 replicas per GPU, 64
+  nvidia.com/gpu): each pod created -> its Allocate answered and -> Running, p50 and p99 over the 50.
 
 Needs root and no cluster already running; brings one up with the agent's image built from the Dockerfile and
 takes it down afterwards. Run by bench/run.py; alone: python bench/cluster_bench.py [--runs N] [--out FILE]
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -31,6 +34,9 @@ NETNS = os.environ.get("CLUSTER_NETNS", "gpu-node-agent")
 PRESET = "dgx-h100"
 GPUS = "8"
 POLL_S = 0.05
+BURST_PODS = 50
+BURST_REPLICAS = 8
+"""Time-slicing replicas per GPU for the burst: 8 GPUs x 8 = 64 nvidia.com/gpu, room for the 50 pods."""
 ALLOCATIONS = re.compile(r'^gpu_agent_allocations_total\{resource="nvidia.com/gpu"\} ([0-9.e+]+)$', re.M)
 
 
@@ -104,16 +110,11 @@ def kubelet_restart(runs: int) -> dict[str, Any]:
 
 
 def pod_to_allocate(runs: int) -> dict[str, Any]:
-    pod_ip = kubectl("get", "pods", "-n", "gpu-node-agent", "-o", "jsonpath={.items[0].status.podIP}")
+    pod_ip = agent_pod_ip()
     answered, running = [], []
     for i in range(runs):
         name = f"bench-gpu-{i}"
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
-               "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
-                        "automountServiceAccountToken": False,
-                        "containers": [{"name": "main", "image": "localhost/busybox:local", "imagePullPolicy": "Never",
-                                        "command": ["sleep", "3600"],
-                                        "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+        pod = gpu_pod(name, 2)
         before = allocations(pod_ip)
         started = time.monotonic()
         kubectl("create", "-f", "-", input=json.dumps(pod))
@@ -122,6 +123,86 @@ def pod_to_allocate(runs: int) -> dict[str, Any]:
                              60, "the pod Running") - started)
         kubectl("delete", "pod", name, "--grace-period=0", "--force", "--wait=true")
     return {"allocate_answered": summary(answered), "running": summary(running)}
+
+
+def agent_pod_ip() -> str:
+    return kubectl("get", "pods", "-n", "gpu-node-agent", "-o", "jsonpath={.items[0].status.podIP}")
+
+
+def gpu_pod(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": labels or {}},
+            "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                     "automountServiceAccountToken": False,
+                     "containers": [{"name": "main", "image": "localhost/busybox:local", "imagePullPolicy": "Never",
+                                     "command": ["sleep", "3600"],
+                                     "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest rank: the smallest sample with at least q of them at or below it (p99 of 50 is the largest)."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def spread(samples: list[float]) -> dict[str, Any]:
+    return {"samples_s": [round(s, 3) for s in sorted(samples)], "p50_s": round(percentile(samples, 0.50), 3),
+            "p99_s": round(percentile(samples, 0.99), 3), "max_s": round(max(samples), 3)}
+
+
+def share_gpus(replicas: int) -> None:
+    """Time-slicing with `replicas` per GPU in the agent's ConfigMap, the agent restarted on it, and the Node's
+    Allocatable grown to match."""
+    config = json.loads(kubectl("get", "configmap", "-n", "gpu-node-agent", "gpu-node-agent-config", "-o",
+                                "jsonpath={.data}"))["config.yaml"]
+    config += f"sharing:\n  timeSlicing:\n    resources:\n      - {{name: nvidia.com/gpu, replicas: {replicas}}}\n"
+    kubectl("patch", "configmap", "-n", "gpu-node-agent", "gpu-node-agent-config", "--type=merge", "-p",
+            json.dumps({"data": {"config.yaml": config}}))
+    kubectl("rollout", "restart", "-n", "gpu-node-agent", "daemonset/gpu-node-agent")
+    kubectl("rollout", "status", "-n", "gpu-node-agent", "daemonset/gpu-node-agent", "--timeout=180s")
+    want = str(int(GPUS) * replicas)
+    until(lambda: allocatable() == want, 180, f"Allocatable {want}")
+    until(lambda: len(kubectl("get", "pods", "-n", "gpu-node-agent", "-o", "name").split()) == 1, 120,
+          "the old agent pod gone")
+
+
+def burst(pods: int) -> dict[str, Any]:
+    """`pods` single-GPU pods created by one request; for each, creation -> Allocate answered and -> Running.
+    The agent's counter gives the moment of each answer, whichever pod it was for: the pods are created together,
+    so the answers' times are the pods' times. Each look (the counter, then the pods' phases) takes one poll, and
+    its duration is recorded: the figures are no finer than that, and each is taken at the end of the look that saw
+    it."""
+    share_gpus(BURST_REPLICAS)
+    pod_ip = agent_pod_ip()
+    names = [f"burst-{i:02d}" for i in range(pods)]
+    batch = {"apiVersion": "v1", "kind": "List", "items": [gpu_pod(n, 1, {"bench": "burst"}) for n in names]}
+    before = allocations(pod_ip)
+    answered: list[float] = []
+    running: dict[str, float] = {}
+    polls: list[float] = []
+    started = time.monotonic()
+    kubectl("create", "-f", "-", input=json.dumps(batch))
+    deadline = started + 300
+    while len(running) < pods or len(answered) < pods:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"burst: after 300 s, {len(answered)} Allocate answered and {len(running)} of "
+                               f"{pods} pods Running")
+        look = time.monotonic()
+        count = int(allocations(pod_ip) - before)
+        read = time.monotonic()  # an answer counted now came before this moment: the figures err long, not short
+        answered += [read - started] * (min(count, pods) - len(answered))
+        phases = kubectl("get", "pods", "-n", "default", "-l", "bench=burst", "-o",
+                         r"jsonpath={range .items[*]}{.metadata.name}={.status.phase}{'\n'}{end}")
+        seen = time.monotonic()
+        for line in phases.splitlines():
+            name, _, phase = line.partition("=")
+            if phase == "Running" and name not in running:
+                running[name] = seen - started
+        polls.append(seen - look)
+        time.sleep(POLL_S)
+    kubectl("delete", "pods", "-n", "default", "-l", "bench=burst", "--grace-period=0", "--force", "--wait=true")
+    return {"pods": pods, "replicas_per_gpu": BURST_REPLICAS, "allocate_answered": spread(answered),
+            "running": spread(list(running.values())), "poll_s": round(statistics.median(polls), 3)}
 
 
 def measure(runs: int) -> dict[str, Any]:
@@ -139,6 +220,7 @@ def measure(runs: int) -> dict[str, Any]:
                    "apply_to_allocatable": apply_to_allocatable(runs),
                    "kubelet_restart": kubelet_restart(runs),
                    "pod_to_allocate": pod_to_allocate(runs),
+                   "burst": burst(BURST_PODS),
                    "kubelet_version": kubectl("get", "node", NODE, "-o", "jsonpath={.status.nodeInfo.kubeletVersion}")}
     finally:
         subprocess.run([str(HACK / "down.sh")], check=True, timeout=300)
@@ -148,7 +230,8 @@ def measure(runs: int) -> dict[str, Any]:
 
 def figures(details: dict[str, Any], figure: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows for bench/results.json (reported, no budget), made with bench/run.py's `figure`."""
-    where = f"real kubelet {details.get('kubelet_version', 'of the test rig')}, {details['preset']}, median of {details['runs']}"
+    node = f"real kubelet {details.get('kubelet_version', 'of the test rig')}, {details['preset']}"
+    where = f"{node}, median of {details['runs']}"
     rows = [
         ("cluster.apply_to_allocatable", f"DaemonSet applied -> Node Allocatable nvidia.com/gpu 8, {where}",
          details["apply_to_allocatable"]),
@@ -161,7 +244,15 @@ def figures(details: dict[str, Any], figure: Callable[..., dict[str, Any]]) -> l
         ("cluster.pod_to_running", f"2-GPU pod created -> pod Running, {where}",
          details["pod_to_allocate"]["running"]),
     ]
-    return [figure(key, label, series["median_s"], "s", "report") for key, label, series in rows]
+    out = [figure(key, label, series["median_s"], "s", "report") for key, label, series in rows]
+    if "burst" in details:
+        b = details["burst"]
+        what = f"{b['pods']} single-GPU pods created at once ({b['replicas_per_gpu']} time-sliced replicas per GPU)"
+        out += [figure("cluster.burst_to_allocate", f"{what} -> Allocate answered, p99, {node}",
+                       b["allocate_answered"]["p99_s"], "s", "report"),
+                figure("cluster.burst_to_running", f"{what} -> pod Running, p99, {node}",
+                       b["running"]["p99_s"], "s", "report")]
+    return out
 
 
 def main() -> int:

@@ -173,7 +173,24 @@ def _cluster(details: dict[str, Any]) -> list[str]:
         f"- **2-GPU pod created -> Allocate answered** (the agent's `gpu_agent_allocations_total`): "
         f"{series(c['pod_to_allocate']['allocate_answered'])}; **-> pod Running**: "
         f"{series(c['pod_to_allocate']['running'])}.",
+        *_burst(c.get("burst")),
         "",
+    ]
+
+
+def _burst(b: dict[str, Any] | None) -> list[str]:
+    """The 50-pod burst's line, when the run had one."""
+    if not b:
+        return []
+
+    def spread(s: dict[str, Any]) -> str:
+        return f"p50 {s['p50_s']:.2f} s, p99 {s['p99_s']:.2f} s, max {s['max_s']:.2f} s"
+
+    return [
+        f"- **A burst of {b['pods']} single-GPU pods** created by one request on the node shared by time-slicing "
+        f"({b['replicas_per_gpu']} replicas per GPU): each pod created -> **Allocate answered** "
+        f"{spread(b['allocate_answered'])}; -> **pod Running** {spread(b['running'])} (one look at the counter and "
+        f"the pods took {b['poll_s']:.2f} s, median: the figures are no finer).",
     ]
 
 

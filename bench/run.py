@@ -6,7 +6,8 @@ Usage: python bench/run.py [--quick] [--seed S] [--out bench/results.json] [--do
 
 --quick runs every measurement with fewer calls, a 10 s idle window and a 30 s steady state (a smoke run, not
 for the page); --check exits 1 when a figure misses its budget; --only measures some sections (e.g.
---only floor,many_devices), prints their figures and writes them to bench/out/only.json, not to the page; with
+--only floor,many_devices; `cluster` is the single-node cluster, which needs root), prints their figures and
+writes them to bench/out/only.json, not to the page; with
 --merge (full runs only) they replace those sections' figures and details in bench/results.json, and the page is
 rendered again from it, naming the sections measured again, when, and at which revision. The
 API-server figures need the binaries hack/testbin.sh builds; the run builds them first when they are missing
@@ -177,7 +178,10 @@ class Sections:
 RESULTS = ROOT / "bench" / "results.json"
 SECTIONS = ("preferred", "allocate", "many_clients", "many_devices", "health", "telemetry", "mig_apply", "floor",
             "process", "apiserver")
-"""What --only can choose; apiserver is the taint, DRA withdrawal, steady-state and API-client process figures."""
+"""The sections of the in-process run; apiserver is the taint, DRA withdrawal, steady-state and API-client process
+figures."""
+ONLY_CHOICES = (*SECTIONS, "cluster")
+"""What --only can choose: the sections and the single-node cluster (bench/cluster_bench.py, needs root)."""
 FIGURE_SECTIONS = {"preferred": "preferred", "allocate": "allocate", "clients": "many_clients", "many": "many_devices",
                    "health": "health", "telemetry": "telemetry", "mig_apply": "mig_apply", "floor": "floor",
                    "process": "process", "process_kube": "apiserver", "taint": "apiserver", "dra": "apiserver",
@@ -220,7 +224,7 @@ def merge(base: dict[str, Any], partial: dict[str, Any], sections: frozenset[str
     remeasured = [r for r in remeasured if r["sections"]]  # an earlier run whose every section was measured again
     kept_keys = ("generated_by", "date", "duration_s", "seed", "plan", "machine")
     remeasured.append({key: partial[key] for key in kept_keys}
-                      | {"sections": [name for name in SECTIONS if name in sections]})
+                      | {"sections": [name for name in ONLY_CHOICES if name in sections]})
     return base | {"figures": figures, "details": details, "remeasured": remeasured,
                    "passed": all(f["verdict"] != "fail" for f in figures)}
 
@@ -533,8 +537,8 @@ def main() -> int:
     parser.add_argument("--no-cluster", action="store_true",
                         help="leave out the figures on a real single-node cluster (they need root)")
     parser.add_argument("--only", metavar="SECTION[,SECTION...]",
-                        help=f"measure only these sections ({', '.join(SECTIONS)}) and leave out the cluster: the "
-                             "figures are printed and written to --out (default bench/out/only.json), never to "
+                        help=f"measure only these sections ({', '.join(ONLY_CHOICES)}; the cluster only when named): "
+                             "the figures are printed and written to --out (default bench/out/only.json), never to "
                              "--doc")
     parser.add_argument("--merge", action="store_true",
                         help="with --only (not --quick): replace those sections in bench/results.json and render "
@@ -545,10 +549,10 @@ def main() -> int:
     only = None
     if args.only is not None:
         only = frozenset(name.strip() for name in args.only.split(",") if name.strip())
-        unknown = sorted(only - set(SECTIONS))
+        unknown = sorted(only - set(ONLY_CHOICES))
         if unknown or not only:
             parser.error(f"--only: unknown section(s) {', '.join(unknown) or '(none given)'}; choose from "
-                         f"{', '.join(SECTIONS)}")
+                         f"{', '.join(ONLY_CHOICES)}")
         if args.out == ROOT / "bench" / "results.json":
             args.out = ROOT / "bench" / "out" / "only.json"
 
@@ -557,7 +561,7 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-agent-bench-") as tmp, grpc_bench.quiet_logs(Path(tmp) / "agent.log"):
         figures, details = asyncio.run(measure(plan, args.seed, Path(tmp), only))
-    if only is not None:
+    if only is not None and "cluster" not in only:
         print(f"single-node cluster: not measured (--only {args.only})", flush=True)
     elif args.no_cluster:
         print("single-node cluster: not measured (--no-cluster)", flush=True)
