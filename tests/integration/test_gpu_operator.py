@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from apiserver import REPO
-from test_manifests_apply import kubectl, ok
+from base_manifests import kubectl, ok
 
 from agent.config import config_file, load_config
 from agent.inventory import plan
