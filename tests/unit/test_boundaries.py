@@ -8,8 +8,8 @@
   PURE_ALLOWANCES lists for one module with its reason, and nothing it imports from the package, however
   indirectly, imports pynvml or ctypes;
 - no module reads another module's private names: no `from agent.x import _name`, and no `obj._name` (obj not
-  `self` or `cls`) for a `_name` that another module of the package defines and this one does not.
-- no file under tests/ imports a test module (`test_*`): what tests share lives in helper modules
+  `self` or `cls`) for a `_name` that another module of the package defines and this one does not;
+- no file under tests/ or bench/ imports a test module (`test_*`): what tests share lives in helper modules
   (tests/builders.py, tests/plugin_harness.py, the rigs).
 
 The checker runs on a small fixture package first, so a checker that finds nothing cannot pass for the real tree.
@@ -568,11 +568,11 @@ def test_an_nvml_error_in_a_mig_call_leaves_the_boundary_as_mig_call_error_with_
 
 
 def imports_of_test_modules(root: Path) -> list[str]:
-    """Every import, at any depth, of a file under tests/ that takes a test module (`test_*`) or a name that begins
-    with `test_` (a test module of a package, or a test itself): shared code lives in helper modules
+    """Every import, at any depth, of a file under tests/ or bench/ that takes a test module (`test_*`) or a name
+    that begins with `test_` (a test module of a package, or a test itself): shared code lives in helper modules
     (tests/builders.py, tests/plugin_harness.py, the rigs), so that no test module depends on another."""
     found = []
-    for path in sorted((root / "tests").rglob("*.py")):
+    for path in sorted(p for top in ("bench", "tests") for p in (root / top).rglob("*.py")):
         if "__pycache__" in path.parts:
             continue
         rel = path.relative_to(root)
@@ -595,8 +595,10 @@ def test_the_checker_finds_test_modules_imported_by_tests(tmp_path: Path) -> Non
         "tests/unit/test_other.py": "from tests.builders import node\n",
         "tests/integration/test_top.py": "from apiserver import NODE\nfrom test_manifests import ok\n",
         "tests/integration/rig.py": "from helpers import test_agent_token as checks\n",
+        "bench/fleet.py": "from tests.builders import AGENT\nfrom tests.fuzz.test_hostile import AGENT\n",
     })
     assert imports_of_test_modules(tmp_path) == [
+        "bench/fleet.py:2 imports tests.fuzz.test_hostile",
         "tests/integration/rig.py:1 imports helpers.test_agent_token",
         "tests/integration/test_top.py:2 imports test_manifests",
         "tests/unit/test_from.py:1 imports tests.unit.test_other",
@@ -607,5 +609,5 @@ def test_the_checker_finds_test_modules_imported_by_tests(tmp_path: Path) -> Non
     ]
 
 
-def test_no_test_module_imports_another() -> None:
+def test_no_test_module_or_benchmark_imports_a_test_module() -> None:
     assert imports_of_test_modules(REPO) == []
