@@ -584,18 +584,19 @@ def imports_of_test_modules(root: Path) -> list[str]:
 
 
 def test_the_checker_finds_test_modules_imported_by_tests(tmp_path: Path) -> None:
+    other = "tests.unit.test_other"  # a test module, as each fixture file names it
     write_fixture(tmp_path, {
         "tests/__init__.py": "",
         "tests/builders.py": "from tests.plugin_harness import short_dir\n",
-        "tests/unit/test_from.py": "from tests.unit.test_other import helper\n",
-        "tests/unit/test_plain.py": "import pytest\nimport tests.unit.test_other\n",
+        "tests/unit/test_from.py": f"from {other} import helper\n",
+        "tests/unit/test_plain.py": f"import pytest\nimport {other}\n",
         "tests/unit/test_package.py": "from tests.unit import test_other, builders\n",
         "tests/unit/test_relative.py": "from .test_other import helper\n",
-        "tests/unit/test_local.py": "def f():\n    from tests.unit.test_other import helper\n",
+        "tests/unit/test_local.py": f"def f():\n    from {other} import helper\n",
         "tests/unit/test_other.py": "from tests.builders import node\n",
         "tests/integration/test_top.py": "from apiserver import NODE\nfrom test_manifests import ok\n",
         "tests/integration/rig.py": "from helpers import test_agent_token as checks\n",
-        "bench/fleet.py": "from tests.builders import AGENT\nfrom tests.fuzz.test_hostile import AGENT\n",
+        "bench/fleet.py": "from tests.builders import AGENT\nfrom tests.fuzz import test_hostile\n",
     })
     assert imports_of_test_modules(tmp_path) == [
         "bench/fleet.py:2 imports tests.fuzz.test_hostile",
