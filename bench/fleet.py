@@ -68,7 +68,7 @@ from dra_rig import AGENT_RULES, REPO  # noqa: E402
 from kubernetes import client as k8s  # noqa: E402
 
 from bench import report  # noqa: E402
-from tests.fuzz.test_hostile_inputs import AGENT  # noqa: E402
+from tests.builders import AGENT  # noqa: E402
 from tests.plugin_harness import short_dir  # noqa: E402
 
 PRESET = "single-h200"

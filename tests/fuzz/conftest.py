@@ -4,12 +4,15 @@ be replayed (the rules are in `seed.py`). Replay a run with `GPU_AGENT_FUZZ_SEED
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import hypothesis
 import pytest
 
 from tests.fuzz.seed import decide, line
+from tests.plugin_harness import short_dir
 
 HERE = Path(__file__).parent
 _SEED = pytest.StashKey[tuple[int, str]]()
@@ -38,3 +41,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if _SEED in config.stash:
         terminalreporter.write_line(line(*config.stash[_SEED]))
+
+
+@pytest.fixture
+def kubelet_dir() -> Iterator[Path]:
+    """A kubelet directory of the test's own, short enough for the sockets in it."""
+    directory = short_dir()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import load_config
-from tests.fuzz.test_hostile_inputs import AGENT, one_line, run_agent
+from tests.builders import AGENT, one_line, run_agent
 from tests.plugin_harness import running_agent, short_dir
 
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"

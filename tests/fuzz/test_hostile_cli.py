@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzz.test_hostile_inputs import AGENT, gpu_agent, kubelet_dir, run_agent
+from tests.builders import AGENT, gpu_agent, run_agent
 from tests.plugin_harness import short_dir
-
-__all__ = ["kubelet_dir"]  # the fixture, used by name
 
 
 def free_port() -> int:

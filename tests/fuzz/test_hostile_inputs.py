@@ -9,45 +9,14 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from agent.deviceplugin.v1beta1 import api_pb2
-from tests.plugin_harness import running_agent, short_dir, wait_until
-
-AGENT = [sys.executable, "-m", "agent.cli"]
-
-
-def gpu_agent(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*AGENT, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def one_line(result: subprocess.CompletedProcess[str]) -> str:
-    """The single error line a refused command prints, checked to be the only output and no traceback."""
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    # The agent's own INFO log lines may come first (it logs as it starts); nothing else may.
-    lines = [line for line in result.stderr.strip().splitlines() if " INFO agent." not in line]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
-
-
-@pytest.fixture
-def kubelet_dir() -> Iterator[Path]:
-    directory = short_dir()
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def run_agent(kubelet_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return gpu_agent("run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir),
-                     "--metrics-port", "0", *extra, timeout=30)
-
+from tests.builders import AGENT, gpu_agent, one_line, run_agent
+from tests.plugin_harness import running_agent, wait_until
 
 # --- files that are not what they claim to be ----------------------------------------------------------
 

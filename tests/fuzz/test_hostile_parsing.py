@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.fuzz.test_hostile_inputs import gpu_agent, kubelet_dir, one_line, run_agent
-
-__all__ = ["kubelet_dir"]  # the fixture, used by name
+from tests.builders import gpu_agent, one_line, run_agent
 
 MAX_LINE = 300
 """No line about a bad file is longer than this (beside the file's own name), whatever the file holds."""

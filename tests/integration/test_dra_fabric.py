@@ -42,7 +42,7 @@ from kubernetes import client as k8s
 from agent.dra import plugin as dra_plugin
 from agent.dra.v1 import api_pb2 as v1
 from agent.nvml.nodefile import preset_text as load_preset_text
-from tests.fuzz.test_hostile_inputs import AGENT
+from tests.builders import AGENT
 from tests.plugin_harness import short_dir
 
 CLIQUE = "5d3c1e2a-8b4f-4c6d-9e7a-1f2b3c4d5e6f.1"

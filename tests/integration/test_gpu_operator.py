@@ -14,16 +14,14 @@ from typing import Any
 import pytest
 import yaml
 from apiserver import REPO
-from test_manifests_apply import kubectl, ok
+from base_manifests import kubectl, ok
 
 from agent.config import config_file, load_config
 from agent.inventory import plan
 from agent.labels import owned
 from agent.mig.layout import load_layouts, parse_layouts
 from agent.mig.planner import PlanError, plan_node
-from tests.unit.test_docs import code_blocks
-from tests.unit.test_inventory import node
-from tests.unit.test_mig_apply import fresh_view, started
+from tests.builders import code_blocks, fresh_view, node, started
 
 OPERATIONS = REPO / "docs" / "operations.md"
 FIXTURES = REPO / "tests" / "fixtures" / "gpu-operator"

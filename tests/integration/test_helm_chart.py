@@ -17,20 +17,18 @@ from typing import Any
 import pytest
 import yaml
 from apiserver import KUBE_RELEASE, NODE, OTHER_NODE, REPO, TESTBIN, ApiServer, running
-from test_manifests_apply import (
+from base_manifests import (
     APPLIED,
     BASE,
     POLICY_DENIAL,
     RENDERED,
     User,
+    agent_token_checks,
     apply_base,
     bound_token_kubeconfig,
     identity,
     kubectl,
     ok,
-)
-from test_manifests_apply import (
-    test_agent_token_can_do_only_what_rbac_and_the_policy_allow as agent_token_checks,
 )
 
 from agent.cli import parser
@@ -713,7 +711,7 @@ def test_agent_token_of_the_helm_installed_agent(installed: str, rig: ApiServer,
         assert time.monotonic() < deadline, f"the admission policy never took effect: {probe.stderr}"
         time.sleep(0.2)
     # This rig is the module's own: the Node needs no restoring afterwards.
-    agent_token_checks(agent, None)
+    agent_token_checks(agent)
 
 
 def test_install_notes_name_the_configs_that_miss_the_layouts(helm: Helm, rig: ApiServer) -> None:

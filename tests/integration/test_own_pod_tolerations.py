@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from apiserver import REPO, SERVICE_ACCOUNT_ISSUER, ApiServer
-from test_manifests_apply import BASE, NAMESPACE, User, apply_base, ok, token_kubeconfig
+from base_manifests import BASE, NAMESPACE, User, apply_base, ok, token_kubeconfig
 
 from tests.plugin_harness import short_dir
 

@@ -1,4 +1,4 @@
-"""The import rules of the package, read from the source with ast (nothing is imported to check them):
+"""The import rules of the package and of its tests, read from the source with ast (nothing is imported to check them):
 
 - only agent/nvml/ imports pynvml or ctypes (native code and NVML's own errors stay behind the NVML boundary);
   ctypes elsewhere only where NATIVE_ELSEWHERE names the module and why;
@@ -8,7 +8,9 @@
   PURE_ALLOWANCES lists for one module with its reason, and nothing it imports from the package, however
   indirectly, imports pynvml or ctypes;
 - no module reads another module's private names: no `from agent.x import _name`, and no `obj._name` (obj not
-  `self` or `cls`) for a `_name` that another module of the package defines and this one does not.
+  `self` or `cls`) for a `_name` that another module of the package defines and this one does not;
+- no file under tests/ or bench/ imports a test module (`test_*`): what tests share lives in helper modules
+  (tests/builders.py, tests/plugin_harness.py, the rigs).
 
 The checker runs on a small fixture package first, so a checker that finds nothing cannot pass for the real tree.
 """
@@ -560,3 +562,53 @@ def test_an_nvml_error_in_a_mig_call_leaves_the_boundary_as_mig_call_error_with_
     assert isinstance(caught.value.__cause__, pynvml.NVMLError_Unknown)
     # The next call goes through: the wrapper changed the error's type, not the state.
     assert MigOps(backend).state(0).name == "NVIDIA H100 80GB HBM3"
+
+
+# --- the tests' own imports ------------------------------------------------------------------------------------
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every import, at any depth, of a file under tests/ or bench/ that takes a test module (`test_*`) or a name
+    that begins with `test_` (a test module of a package, or a test itself): shared code lives in helper modules
+    (tests/builders.py, tests/plugin_harness.py, the rigs), so that no test module depends on another."""
+    found = []
+    for path in sorted(p for top in ("bench", "tests") for p in (root / top).rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(root)
+        for imp in imports_of(root, path):
+            if any(part.startswith("test_") for part in imp.module.split(".")):
+                found.append(f"{rel}:{imp.line} imports {imp.module}")
+            found += [f"{rel}:{imp.line} imports {imp.module}.{name}" for name in imp.names if name.startswith("test_")]
+    return found
+
+
+def test_the_checker_finds_test_modules_imported_by_tests(tmp_path: Path) -> None:
+    other = "tests.unit.test_other"  # a test module, as each fixture file names it
+    write_fixture(tmp_path, {
+        "tests/__init__.py": "",
+        "tests/builders.py": "from tests.plugin_harness import short_dir\n",
+        "tests/unit/test_from.py": f"from {other} import helper\n",
+        "tests/unit/test_plain.py": f"import pytest\nimport {other}\n",
+        "tests/unit/test_package.py": "from tests.unit import test_other, builders\n",
+        "tests/unit/test_relative.py": "from .test_other import helper\n",
+        "tests/unit/test_local.py": f"def f():\n    from {other} import helper\n",
+        "tests/unit/test_other.py": "from tests.builders import node\n",
+        "tests/integration/test_top.py": "from apiserver import NODE\nfrom test_manifests import ok\n",
+        "tests/integration/rig.py": "from helpers import test_agent_token as checks\n",
+        "bench/fleet.py": "from tests.builders import AGENT\nfrom tests.fuzz import test_hostile\n",
+    })
+    assert imports_of_test_modules(tmp_path) == [
+        "bench/fleet.py:2 imports tests.fuzz.test_hostile",
+        "tests/integration/rig.py:1 imports helpers.test_agent_token",
+        "tests/integration/test_top.py:2 imports test_manifests",
+        "tests/unit/test_from.py:1 imports tests.unit.test_other",
+        "tests/unit/test_local.py:2 imports tests.unit.test_other",
+        "tests/unit/test_package.py:1 imports tests.unit.test_other",
+        "tests/unit/test_plain.py:2 imports tests.unit.test_other",
+        "tests/unit/test_relative.py:1 imports tests.unit.test_other",
+    ]
+
+
+def test_no_test_module_or_benchmark_imports_a_test_module() -> None:
+    assert imports_of_test_modules(REPO) == []

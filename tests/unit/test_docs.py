@@ -8,11 +8,9 @@ docs and SECURITY.md say about the image.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shlex
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import parser
-from agent.config import DEFAULT_CONFIG, parse_config
+from agent.config import DEFAULT_CONFIG
 from agent.inventory import GPU_RESOURCE, mig_resource
 from agent.kube.reconciler import (
     CONDITION_TYPE,
@@ -34,7 +32,7 @@ from agent.kube.reconciler import (
     owned_annotation,
 )
 from agent.labels import OWNED_NVIDIA_KEYS, owned
-from tests.plugin_harness import running_agent
+from tests.builders import FENCE, code_blocks, github_anchor, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATIONS = REPO / "docs" / "operations.md"
@@ -44,7 +42,6 @@ DAEMONSET = REPO / "daemonset" / "daemonset.yaml"
 
 METRIC = re.compile(r"\bgpu_agent_[a-z0-9_]+\b")
 DCGM_METRIC = re.compile(r"\bDCGM_FI_[A-Z0-9_]+\b")
-FENCE = re.compile(r"^( *)```([A-Za-z]*)\n(.*?)^\1```$", re.M | re.S)
 
 # What the dashboard must show: the brief of each panel, by the metric series it reads.
 DASHBOARD_MUST_READ = {
@@ -76,16 +73,6 @@ def operations() -> str:
     return OPERATIONS.read_text()
 
 
-def code_blocks(text: str) -> list[tuple[str, str]]:
-    """(language, body) of every fenced block, indented ones (inside list items) included, dedented."""
-    blocks = []
-    for match in FENCE.finditer(text):
-        indent = len(match.group(1))
-        body = "\n".join(line[indent:] for line in match.group(3).splitlines())
-        blocks.append((match.group(2), body))
-    return blocks
-
-
 def dashboard() -> dict[str, Any]:
     data: dict[str, Any] = json.loads(DASHBOARD.read_text())
     return data
@@ -105,27 +92,6 @@ def dashboard_expressions(board: dict[str, Any]) -> list[str]:
             query = var["query"]
             exprs.append(query["query"] if isinstance(query, dict) else query)
     return exprs
-
-
-def scrape_metrics() -> str:
-    """/metrics of an in-process agent on the simulated DGX H100."""
-
-    async def run() -> str:
-        # Two telemetry passes: GPM's DCGM_FI_PROF_* fields come from the second.
-        config = parse_config("version: v1\ntelemetry: {intervalSeconds: 1}\n")
-        async with running_agent("dgx-h100", config, metrics_port=0) as rig:
-            assert rig.agent.http is not None
-            while rig.agent.telemetry.passes < 2:
-                await asyncio.sleep(0.05)
-            url = f"http://127.0.0.1:{rig.agent.http.port}/metrics"
-
-            def get() -> str:
-                with urllib.request.urlopen(url, timeout=10) as response:
-                    return str(response.read().decode())
-
-            return await asyncio.to_thread(get)
-
-    return asyncio.run(run())
 
 
 def series_names(exposition: str) -> set[str]:
@@ -391,12 +357,6 @@ def test_event_and_condition_names_in_the_guide_are_the_agents() -> None:
 
 
 # --- links ------------------------------------------------------------------------------------------------------
-
-
-def github_anchor(heading: str) -> str:
-    """The id GitHub gives a Markdown heading."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
 
 
 def anchors(path: Path) -> set[str]:

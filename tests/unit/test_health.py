@@ -1,16 +1,73 @@
-"""Health policy and hysteresis: XIDs and samples through the fake NVML into NodeState."""
+"""GPU health: the policy on single readings (agent/health/policy.py: each signal judged by its own check's action,
+a check set to `ignore` off), and the monitor with its hysteresis (agent/health/monitor.py: XIDs and samples
+through the fake NVML into NodeState)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from agent.config import DEFAULT_CONFIG, HealthSettings, parse_config
 from agent.health.monitor import HealthMonitor
+from agent.health.policy import CLEAN, Verdict, classify_reading
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvml.records import HealthReading
 from agent.state import NodeState, StateBus
+
+POLICY = DEFAULT_CONFIG.health
+OFF = parse_config("version: v1\nhealth:\n  checks:\n    thermalThrottle: ignore\n    powerBrake: ignore\n"
+                   "    remappedRowsPending: ignore\n").health
+"""A check set to `ignore` is off: a reading that only trips ignored checks is clean, with no reason."""
+
+
+# --- the policy on single readings
+
+
+@pytest.mark.parametrize(("reading", "verdict"), [
+    # Pending row remaps are a warning by default (the GPU works until its next reset), failed ones unhealthy.
+    (HealthReading("GPU-0", remapped_rows_pending=True, remapped_rows_failure=False),
+     Verdict("warn", "row remapping pending a GPU reset")),
+    (HealthReading("GPU-0", remapped_rows_pending=False, remapped_rows_failure=True),
+     Verdict("unhealthy", "row remapping failed")),
+    (HealthReading("GPU-0", retired_pages_pending=True), Verdict("warn", "page retirement pending a GPU reset")),
+    (HealthReading("GPU-0", ecc_uncorrected_volatile=2),
+     Verdict("unhealthy", "2 uncorrected ECC error(s) since the last reset")),
+    (HealthReading("GPU-0", clock_event_reasons=0x40), Verdict("warn", "thermal slowdown")),
+    (HealthReading("GPU-0", clock_event_reasons=0x80), Verdict("warn", "power brake slowdown")),
+    (HealthReading("GPU-0", lost=True), Verdict("node-fatal", "GPU is lost (fallen off the bus)")),
+    (HealthReading("GPU-0"), Verdict("ignore", "")),
+])
+def test_each_signal_is_judged_by_its_own_check(reading: HealthReading, verdict: Verdict) -> None:
+    assert classify_reading(reading, POLICY) == verdict
+
+
+def test_each_check_follows_its_own_key() -> None:
+    policy = parse_config("version: v1\nhealth:\n  checks:\n    remappedRowsPending: node-fatal\n"
+                          "    remappedRowsFailure: warn\n").health
+    assert classify_reading(HealthReading("GPU-0", remapped_rows_pending=True), policy) == Verdict(
+        "node-fatal", "row remapping pending a GPU reset")
+    assert classify_reading(HealthReading("GPU-0", remapped_rows_failure=True), policy) == Verdict(
+        "warn", "row remapping failed")
+    # The worst signal of a reading wins.
+    both = HealthReading("GPU-0", remapped_rows_failure=True, ecc_uncorrected_volatile=1)
+    assert classify_reading(both, policy).action == "unhealthy"
+
+
+def test_a_reading_that_trips_only_ignored_checks_is_clean() -> None:
+    assert classify_reading(HealthReading("GPU-0", clock_event_reasons=0x40 | 0x80), OFF) == Verdict("ignore", "")
+    assert classify_reading(HealthReading("GPU-0", remapped_rows_pending=True), OFF) == CLEAN
+
+
+def test_an_ignored_check_does_not_hide_another() -> None:
+    reading = HealthReading("GPU-0", clock_event_reasons=0x20, retired_pages_pending=True)
+    assert classify_reading(reading, OFF) == Verdict("warn", "page retirement pending a GPU reset")
+
+
+# --- the monitor: XIDs and samples into NodeState, with hysteresis
 
 
 async def inline(fn: Callable[[], Any]) -> Any:

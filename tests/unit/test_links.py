@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_docs import FENCE, github_anchor
+from tests.builders import FENCE, github_anchor
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from agent.telemetry.fields import FIELDS
-from tests.unit.test_docs import scrape_metrics
+from tests.builders import scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 METRICS_DOC = REPO / "docs" / "metrics.md"

@@ -6,20 +6,16 @@ from __future__ import annotations
 import ctypes
 import json
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
-from agent.mig.applier import JOURNAL, ApplyResult, Journal, apply_layout, plan_layout
+from agent.mig.applier import JOURNAL, ApplyResult, Journal, plan_layout
 from agent.mig.layout import MigLayout, load_layouts, parse_layouts
-from agent.mig.planner import GpuMigState
-from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
-from agent.nvml.mig_ops import MigOps
-from agent.nvml.nodefile import NodeSpec, load_node
+from tests.builders import MigNode, started
 
 SHIPPED = load_layouts(None)
 RESET_HINT = "let the GPUs go idle and apply again, or reset the GPUs (reboot the node)"
@@ -56,36 +52,7 @@ def test_layouts() -> dict[str, MigLayout]:
     return dict(parse_layouts(TEST_LAYOUTS, "test-layouts.yaml").layouts)
 
 
-@dataclass
-class Node:
-    """A simulated node driven the way the agent drives a real one."""
-
-    fake: FakeNvml
-    backend: NvmlBackend
-    ops: MigOps
-
-    @property
-    def spec(self) -> NodeSpec:
-        return self.fake.spec
-
-    @property
-    def count(self) -> int:
-        return len(self.spec.gpus)
-
-    def apply(self, layout: MigLayout, journal: Journal | None = None,
-              steps: list[str] | None = None) -> ApplyResult:
-        record = steps.append if steps is not None else (lambda _: None)
-        return apply_layout(self.ops, self.count, layout, journal, step=record)
-
-
-def started(source: str, state_file: Path | None = None) -> Node:
-    fake = FakeNvml(load_node(source), state_file)
-    backend = NvmlBackend(lib=fake, numa_lookup=fake.numa_node)
-    backend.init()
-    return Node(fake, backend, MigOps(backend))
-
-
-def instances(node: Node) -> dict[int, list[tuple[str, int, int]]]:
+def instances(node: MigNode) -> dict[int, list[tuple[str, int, int]]]:
     """Each GPU's GPU instances as the MIG devices show them, by start; asserts one compute instance each."""
     inventory = node.backend.inventory()
     per_gi = Counter((d.parent_index, d.gpu_instance_id) for d in inventory.mig_devices)
@@ -101,14 +68,9 @@ def instances(node: Node) -> dict[int, list[tuple[str, int, int]]]:
     return {index: sorted(items, key=lambda i: i[1]) for index, items in found.items()}
 
 
-def modes(node: Node) -> list[tuple[bool, bool]]:
+def modes(node: MigNode) -> list[tuple[bool, bool]]:
     """(MIG enabled, mode change pending) per GPU."""
     return [(s.mig_enabled, s.mig_pending) for s in map(node.ops.state, range(node.count))]
-
-
-def fresh_view(spec: NodeSpec) -> list[GpuMigState]:
-    """The node as a fresh boot has it (MIG disabled everywhere), straight from the catalog."""
-    return [GpuMigState.of(g.index, g.model) for g in spec.gpus]
 
 
 def rebooting_reason(gpus: list[int], change: str = "enable") -> str:
@@ -346,7 +308,7 @@ MID_APPLY_ERRORS = [
 ]
 
 
-def _interrupted(node: Node, function: str, first: str | None, journal: Journal) -> tuple[ApplyResult | None, str]:
+def _interrupted(node: MigNode, function: str, first: str | None, journal: Journal) -> tuple[ApplyResult | None, str]:
     """all-balanced with ``function`` failing once; the result (None if apply raised) and the last step."""
     if first is not None:
         assert node.apply(SHIPPED.layout(first)).outcome == "success"

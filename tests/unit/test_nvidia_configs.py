@@ -13,7 +13,7 @@ from agent.deviceplugin.response import container_response
 from agent.inventory import plan
 from agent.labels import node_labels
 from agent.state import NodeState
-from tests.unit.test_inventory import MIXED_GPU0, node
+from tests.builders import MIXED_GPU0, node
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia"
 H100 = "NVIDIA-H100-80GB-HBM3"

@@ -24,9 +24,8 @@ from agent.deviceplugin.servicer import DevicePluginServicer, Prefer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.inventory import Device, PlanCache, Resource
 from agent.state import DeviceHealth, StateBus
+from tests.builders import LoopThread, allocate, node, refusal, serving
 from tests.plugin_harness import short_dir
-from tests.unit.test_inventory import node
-from tests.unit.test_servicer_calls import LoopThread, allocate, refusal, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS_1024 = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1024}\n"

@@ -125,7 +125,7 @@ def test_the_checked_value_is_the_one_the_agent_taints_with() -> None:
     # An Equal toleration is matched against the value of the taint the reconciler writes.
     from agent.kube.reconciler import TaintPolicy, node_intent
     from agent.state import DeviceHealth
-    from tests.unit.test_inventory import node
+    from tests.builders import node
 
     state = node("single-h200")
     uuid = state.inventory.gpus[0].uuid

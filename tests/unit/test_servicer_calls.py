@@ -5,120 +5,22 @@ client, as a kubelet in another process would."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import shutil
-import threading
-from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Executor
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from dataclasses import replace
 
 import grpc
 import pytest
 
 from agent.config import parse_config
 from agent.deviceplugin.response import NodeFiles
-from agent.deviceplugin.server import plugin_server
-from agent.deviceplugin.servicer import DevicePluginServicer, PreferFor
-from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from agent.inventory import PlanCache
+from agent.deviceplugin.v1beta1 import api_pb2
 from agent.metrics import Metrics
 from agent.nvml.records import DriverInfo, NodeInventory, PairLink
-from agent.state import DeviceHealth, NodeState, StateBus
-from agent.topology.prefer import Preferences
-from tests.plugin_harness import short_dir
-from tests.unit.test_inventory import node
-from tests.unit.test_labels import gpu
+from agent.state import DeviceHealth, NodeState
+from tests.builders import Served, allocate, gpu, node, refusal, serving
 
 GPU = "nvidia.com/gpu"
 DGX_NUMA = [0, 0, 0, 0, 1, 1, 1, 1]
 """The DGX H100's GPUs 0-3 sit on NUMA node 0, 4-7 on node 1."""
-
-
-T = TypeVar("T")
-
-
-class LoopThread:
-    """An event loop on a thread of its own, where the server under test and its state bus live."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, work: Awaitable[T], timeout: float = 10) -> T:
-        async def wrapped() -> T:
-            return await work
-
-        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result(timeout)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        async def wrapped() -> T:
-            return fn()
-
-        return self.run(wrapped())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-@dataclass
-class Served:
-    stub: api_pb2_grpc.DevicePluginStub
-    bus: StateBus
-    servicer: DevicePluginServicer
-    metrics: Metrics
-    ids: list[str]
-    """The GPU UUIDs, by index."""
-    loop: LoopThread
-    server: Any
-    target: str
-
-    def update(self, **changes: Any) -> NodeState:
-        """Publish the current state with `changes`, as a producer of the agent does."""
-        return self.loop.run(self.bus.update(**changes))
-
-    def close(self) -> None:
-        """End every open ListAndWatch stream, as the agent does before it stops a server."""
-        self.loop.call(self.servicer.close)
-
-
-@contextlib.contextmanager
-def serving(state: NodeState, resource: str = GPU, files: NodeFiles | None = None,
-            prefer_for: PreferFor | None = None, search: Executor | None = None) -> Iterator[Served]:
-    directory = short_dir()
-    target = f"unix://{directory}/plugin.sock"
-    loop = LoopThread()
-
-    async def start() -> tuple[StateBus, Metrics, DevicePluginServicer, Any]:
-        bus = StateBus(state)
-        metrics = Metrics()
-        servicer = DevicePluginServicer(resource, bus, PlanCache(), prefer_for or Preferences(lambda: bus.current),
-                                        metrics, files, search)
-        servicer.open()
-        server = plugin_server(servicer, target)
-        await server.start()
-        return bus, metrics, servicer, server
-
-    bus, metrics, servicer, server = loop.run(start())
-    channel = grpc.insecure_channel(target)
-    try:
-        yield Served(api_pb2_grpc.DevicePluginStub(channel), bus, servicer, metrics,
-                     [g.uuid for g in state.inventory.gpus], loop, server, target)
-    finally:
-        loop.call(servicer.close)
-        channel.close()
-        loop.run(server.stop(0))
-        loop.close()
-        shutil.rmtree(directory)
-
-
-def refusal(call: object) -> tuple[grpc.StatusCode, str]:
-    assert isinstance(call, grpc.RpcError)
-    return call.code(), call.details()  # type: ignore[attr-defined]
 
 
 def preferred(served: Served, available: list[str], size: int, must: list[str] | None = None) -> list[str]:
@@ -134,11 +36,6 @@ def refused_preference(served: Served, available: list[str], size: int,
     with pytest.raises(grpc.RpcError) as caught:
         preferred(served, available, size, must)
     return refusal(caught.value)
-
-
-def allocate(served: Served, *requests: list[str]) -> api_pb2.AllocateResponse:
-    return served.stub.Allocate(api_pb2.AllocateRequest(
-        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in requests]))
 
 
 def refused_allocate(served: Served, *requests: list[str]) -> tuple[grpc.StatusCode, str]:

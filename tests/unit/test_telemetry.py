@@ -4,7 +4,6 @@ them, values that move with load, and absent (not zero) where the GPU has no suc
 from __future__ import annotations
 
 import csv
-import re
 from pathlib import Path
 
 import pynvml
@@ -20,27 +19,11 @@ from agent.state import NodeState
 from agent.telemetry.collector import Holder, Snapshot, holders_by_device
 from agent.telemetry.exposition import render
 from agent.telemetry.fields import FIELDS
+from tests.builders import exposition_samples
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "dcgm-exporter"
 H100_MIB = 81559
 """nvmlDeviceGetMemoryInfo total of an H100 80GB HBM3, in MiB."""
-
-
-SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)\{(.*)\} (\S+)$')
-LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Samples by metric name, exactly as written (prometheus_client's parser would rename counters)."""
-    found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = SAMPLE.match(line)
-        assert match, line
-        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in LABEL.findall(match[2])}
-        found.setdefault(match[1], []).append((labels, float(match[3])))
-    return found
 
 
 def upstream_counters() -> list[tuple[str, str, str]]:
@@ -81,7 +64,7 @@ class Node:
         state = self.state()
         self.reader.note_allocated(self.holders)
         snapshot = Snapshot(self.reader.read(state.inventory), self.holders, self.last_xid)
-        return parse(render(snapshot, state, "gpu-node-1").decode())
+        return exposition_samples(render(snapshot, state, "gpu-node-1").decode())
 
     def value(self, scraped: dict[str, list[tuple[dict[str, str], float]]], name: str, gpu: int) -> float:
         [value] = [v for labels, v in scraped[name] if labels["gpu"] == str(gpu) and "GPU_I_ID" not in labels]

@@ -23,8 +23,8 @@ from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
 from agent.telemetry.exposition import render
+from tests.builders import exposition_samples as parse
 from tests.plugin_harness import short_dir
-from tests.unit.test_telemetry import parse
 
 
 class StandInPodResources(pr_grpc.PodResourcesListerServicer):

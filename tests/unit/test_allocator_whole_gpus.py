@@ -1,8 +1,11 @@
-"""The preferred-allocation policies: whole GPUs (exact and fallback), time-sliced replicas, MIG devices."""
+"""The preferred allocation of whole GPUs (agent/topology/gpus.py): the exact search by value, NUMA span, best
+remainder and index order, the invalid requests it refuses, the fallback above EXACT_LIMIT candidates, and both
+against brute force. Every hand-worked expectation is worked out from the policy in gpus.py's docstrings."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import combinations
 
 import pytest
@@ -10,15 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.topology.gpus import EXACT_LIMIT, preferred_gpus
-from agent.topology.mig_devices import preferred_mig
 from agent.topology.model import PCIE_LEVELS, PcieLevel, Topology
-from agent.topology.replicas import preferred_shared
 from agent.topology.request import AllocationError
-
-
-def nvlink_pairs(links01: int = 2, links23: int = 2) -> Topology:
-    """GPU0-GPU1 and GPU2-GPU3 NVLink pairs; GPUs 0,1 on NUMA node 0 and 2,3 on node 1."""
-    return Topology.build([0, 0, 1, 1], {}, {(0, 1): links01, (2, 3): links23})
+from tests.builders import nvlink_pairs
 
 
 def nvswitch(n: int = 8, links: int = 12) -> Topology:
@@ -30,7 +27,7 @@ def nvswitch(n: int = 8, links: int = 12) -> Topology:
     )
 
 
-# --- whole GPUs: hand-worked optima
+# --- hand-worked optima
 
 
 def test_nvlink_pair_is_preferred() -> None:
@@ -140,7 +137,49 @@ def test_sixteen_gpu_nvswitch_fills_one_node() -> None:
     assert preferred_gpus(topo, [*range(1, 16)], [9], 4) == [8, 9, 10, 11]
 
 
-# --- whole GPUs: invalid requests
+def test_two_gpus_of_one_class_count_their_own_pair_in_the_remainder() -> None:
+    # Triangles 0-1-2, 3-4-5 and 6-7-8 of 4 NVLinks each, 9 joined to 3, 4, 5 by 2; GPUs 0-4 on NUMA node 0.
+    # Of 0, 2, 3, 7, 8 the pairs 0-2 and 7-8 tie on value (400), span (1) and remainder (the other pair, 400);
+    # the index order gives 0-2. Scoring the pair inside one class of interchangeable GPUs wrongly in the
+    # remainder makes the two remainders differ.
+    topo = Topology.build([0] * 5 + [1] * 5, {}, {
+        (0, 1): 4, (0, 2): 4, (1, 2): 4, (3, 4): 4, (3, 5): 4, (4, 5): 4, (6, 7): 4, (6, 8): 4, (7, 8): 4,
+        (3, 9): 2, (4, 9): 2, (5, 9): 2})
+    assert preferred_gpus(topo, [0, 2, 3, 7, 8], [], 2) == [0, 2]
+
+
+def test_required_gpus_on_two_nodes_count_both_in_the_span() -> None:
+    # GPUs 0, 1 on NUMA node 0 and 2, 3 on node 1, no NVLink. With 0 and 2 required, adding 1 or 3 gives the same
+    # value (30 + 10 + 10) and the same span (both nodes are in use already); the index order gives 0, 1, 2.
+    assert preferred_gpus(Topology.build([0, 0, 1, 1], {}, {}), [0, 1, 2, 3], [0, 2], 3) == [0, 1, 2]
+
+
+def test_a_set_over_two_nodes_is_found_when_it_has_the_higher_value() -> None:
+    # Triangles 0-1-2, 3-4-5 and 6-7-8 of 4 NVLinks each; 3, 4, 5 joined to 6, 7, 8 by 2. GPUs 0-3 on NUMA node 0.
+    # Of 0, 1, 2, 3, 4, 6, 8, four GPUs: 3, 4, 6, 8 score 400 + 400 + 4 x 200 = 1600 across two nodes, against
+    # 1200 + 90 for 0, 1, 2, 3 on one node.
+    links = {(0, 1): 4, (0, 2): 4, (1, 2): 4, (3, 4): 4, (3, 5): 4, (4, 5): 4, (6, 7): 4, (6, 8): 4, (7, 8): 4}
+    links.update({(a, b): 2 for a in (3, 4, 5) for b in (6, 7, 8)})
+    topo = Topology.build([0] * 4 + [1] * 5, {}, links)
+    assert preferred_gpus(topo, [0, 1, 2, 3, 4, 6, 8], [], 4) == [3, 4, 6, 8]
+
+
+def test_sixteen_candidates_are_still_searched_exactly_with_the_remainder() -> None:
+    # Two NUMA nodes of eight; NVLink only between 0 and 9 (12 links) and 1 and 14 (4). Every set of three with
+    # 0 and 9 has the same value and spans both nodes; the remainder keeps the pair 1-14 for the next request,
+    # so neither 1 nor 14 is taken: 0, 2, 9. The fallback, which does not weigh the remainder, would take 1.
+    topo = Topology.build(numa=[i // 8 for i in range(16)], pcie={}, nvlink={(0, 9): 12, (1, 14): 4})
+    assert preferred_gpus(topo, list(range(16)), [], 3) == [0, 2, 9]
+
+
+def test_the_search_bound_counts_every_partner_a_class_can_still_give() -> None:
+    # Nine GPUs on NUMA nodes 0,0,0,1,1,2,2,3,3 and one NVLink (0-2, 18 links). Four GPUs: 0, 1, 2 and one more
+    # on another node; every fourth GPU leaves as good a remainder (two same-node pairs), so the lowest, 3.
+    topo = Topology.build(numa=[0, 0, 0, 1, 1, 2, 2, 3, 3], pcie={}, nvlink={(0, 2): 18})
+    assert preferred_gpus(topo, list(range(9)), [], 4) == [0, 1, 2, 3]
+
+
+# --- invalid requests
 
 
 @pytest.mark.parametrize(
@@ -166,7 +205,10 @@ def test_allocation_error_is_a_value_error() -> None:
     assert issubclass(AllocationError, ValueError)
 
 
-# --- whole GPUs: the fallback above EXACT_LIMIT
+# --- the fallback above EXACT_LIMIT: greedy growth from the most promising GPUs, then pair swaps. On these nodes it
+# reaches the optimum of its documented order (value, NUMA span, index tuple), which a brute force over every set
+# checks; they are nodes where a weaker seed order, a greedy step that ignores the NUMA span, or missing swaps
+# end elsewhere
 
 
 def islands(count: int = 3) -> Topology:
@@ -200,7 +242,127 @@ def test_fallback_result_is_valid_on_mixed_links() -> None:
     assert got == preferred_gpus(topo, available, [3, 10], 7)
 
 
-# --- whole GPUs: agreement with brute force
+@dataclass(frozen=True)
+class Case:
+    numa: list[int | None]
+    nvlink: str
+    """Space-separated `a-b:links`."""
+    size: int
+    must: list[int]
+    uniform_pcie: bool
+    """Every pair without NVLink on the same PCIe level ("system"), so that only NVLink and NUMA differ."""
+    expected: list[int]
+
+    def topology(self) -> Topology:
+        n = len(self.numa)
+        pcie = {(a, b): "system" for a in range(n) for b in range(a + 1, n)} if self.uniform_pcie else {}
+        links = {}
+        for item in self.nvlink.split():
+            pair, count = item.split(":")
+            a, b = pair.split("-")
+            links[(int(a), int(b))] = int(count)
+        return Topology.build(self.numa, pcie, links)
+
+
+def fallback_optimum(topo: Topology, size: int, must: list[int]) -> list[int]:
+    """The first set in (highest value, fewest NUMA nodes, smallest index tuple) order."""
+    free = [g for g in range(topo.gpu_count) if g not in must]
+    best = min((sorted([*must, *extra]) for extra in combinations(free, size - len(must))),
+               key=lambda s: (-topo.value(s), topo.numa_span(s), s))
+    return list(best)
+
+
+SWAP_AT_EQUAL_VALUE = Case(
+    # GPUs 0-9 on NUMA node 0, 10-19 on node 1, every pair on one PCIe level. NVLink joins 1-10 ... 7-16 and
+    # 8-19 (cross-node pairs), 0-17 and 17-18. Every GPU has one NVLink partner worth 100, so the 16 seeds are
+    # GPUs 0-8 and 10-16 (lowest indices first) and no seed leads to 17-18; growth from GPU 0 gives 0-17,
+    # the first set in index order. Swapping 0 for 18 keeps the value and leaves one NUMA node: 17-18.
+    numa=[0] * 10 + [1] * 10,
+    nvlink="1-10:1 2-11:1 3-12:1 4-13:1 5-14:1 6-15:1 7-16:1 8-19:1 0-17:1 17-18:1",
+    size=2, must=[], uniform_pcie=True, expected=[17, 18],
+)
+
+
+SEARCHED = [
+    Case(
+        numa=[0, 0, 0, 0, 0, 0, 0, None, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3],
+        nvlink=(
+            "0-9:1 0-13:2 0-27:2 1-7:3 1-8:3 1-10:4 1-11:2 2-25:4 3-4:4 3-5:4 3-16:2 4-20:2 5-13:3 5-18:3 "
+            "6-12:3 6-24:1 6-25:3 7-15:4 8-15:2 8-16:3 9-13:3 9-15:1 10-15:2 11-20:2 11-23:2 11-24:2 11-26:2 "
+            "12-27:4 13-16:3 14-17:4 14-24:4 15-20:3 16-17:2 17-22:1 18-25:3 19-23:4 19-26:3 21-25:4"
+        ),
+        size=4, must=[], uniform_pcie=False, expected=[1, 7, 10, 15],
+    ),
+    Case(
+        numa=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+        nvlink=(
+            "0-11:4 1-2:3 1-4:4 1-5:1 1-29:4 2-14:2 3-8:1 3-15:2 4-19:4 4-31:4 5-17:4 6-13:3 6-17:4 6-18:2 "
+            "6-31:4 7-9:3 7-15:1 7-18:1 8-19:2 9-15:4 10-20:1 11-27:4 11-31:1 11-32:1 12-14:4 12-19:1 13-30:4 "
+            "14-18:2 14-22:3 14-32:3 15-16:4 15-18:1 15-25:2 17-26:4 17-28:1 18-28:1 19-30:4 21-22:1 21-26:2 "
+            "22-23:1 25-26:3 25-29:4 30-33:4"
+        ),
+        size=3, must=[], uniform_pcie=False, expected=[4, 6, 31],
+    ),
+    Case(
+        numa=[0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3],
+        nvlink=(
+            "0-16:4 0-20:3 1-2:3 1-18:3 1-19:2 2-22:2 3-10:4 3-11:4 4-10:3 4-13:4 5-8:2 5-11:2 5-12:1 5-16:4 "
+            "6-15:4 7-13:4 7-21:1 9-10:4 9-14:3 9-22:4 11-22:4 11-24:2 12-13:4 12-15:3 12-23:4 13-15:4 "
+            "13-18:3 13-19:2 13-21:4 14-20:2 14-21:3 15-16:2 15-22:2 20-21:1 22-24:1"
+        ),
+        size=3, must=[], uniform_pcie=False, expected=[12, 13, 15],
+    ),
+    Case(
+        numa=[0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3],
+        nvlink=(
+            "0-9:1 1-3:1 1-26:4 2-7:4 2-13:2 3-9:1 3-16:3 3-19:2 4-6:1 4-7:2 4-10:3 4-14:4 4-23:4 5-17:2 "
+            "6-15:4 6-24:3 7-10:1 7-17:3 7-18:1 7-23:4 7-25:4 8-9:1 8-21:3 8-26:1 9-12:1 9-16:4 9-17:1 "
+            "10-15:3 10-18:1 10-25:1 12-18:4 12-25:2 13-18:1 14-15:1 14-22:4 14-26:3 16-25:2 17-25:4 18-19:2 "
+            "18-20:1 21-25:2 24-25:4"
+        ),
+        size=3, must=[], uniform_pcie=True, expected=[7, 17, 25],
+    ),
+    Case(
+        numa=[0, 0, 0, 0, 0, 0, 0, 0, None, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+        nvlink=(
+            "0-2:1 0-3:3 0-4:3 0-5:4 0-14:3 0-21:1 0-22:3 1-15:3 2-8:4 2-9:1 3-5:3 3-23:3 4-9:1 5-15:4 5-18:2 "
+            "6-8:3 6-15:3 6-16:3 7-11:2 7-19:4 8-15:3 9-13:4 10-14:4 10-24:4 11-13:4 11-16:4 11-23:4 11-24:4 "
+            "15-18:4 15-22:4 20-21:3 22-23:3"
+        ),
+        size=4, must=[], uniform_pcie=True, expected=[0, 5, 15, 22],
+    ),
+    Case(
+        numa=[None, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3],
+        nvlink=(
+            "0-2:2 0-11:1 0-13:3 1-18:4 1-20:2 2-5:2 2-6:1 2-15:2 3-19:1 4-10:4 5-12:4 5-16:4 6-8:1 6-10:4 "
+            "6-14:3 6-15:2 7-9:3 7-10:2 7-18:4 8-18:3 10-18:2 11-13:2 15-17:3 18-20:2"
+        ),
+        size=5, must=[5], uniform_pcie=True, expected=[1, 5, 7, 16, 18],
+    ),
+    Case(
+        # The greedy growth must count each NUMA node it reaches: with the span it tracks wrong, it ends at
+        # 4, 6, 10, 16, whose value is lower.
+        numa=[0] * 9 + [1] * 9,
+        nvlink=(
+            "0-2:4 0-3:2 0-4:18 1-8:18 1-10:12 1-11:18 1-14:12 1-15:18 1-17:4 2-10:4 3-11:2 3-14:18 3-16:1 "
+            "4-5:12 4-10:18 4-15:18 5-7:1 5-11:2 5-12:18 6-10:18 6-11:12 6-12:12 6-13:2 6-16:18 6-17:4 "
+            "7-10:4 7-11:1 7-14:1 7-16:4 8-13:1 8-17:18 9-10:18 9-15:1 10-11:2 10-12:4 10-16:12 11-13:4 "
+            "11-15:4 12-15:18 14-16:2 16-17:1"
+        ),
+        size=4, must=[], uniform_pcie=False, expected=[1, 4, 10, 15],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", [SWAP_AT_EQUAL_VALUE, *SEARCHED])
+def test_fallback_reaches_the_optimum(case: Case) -> None:
+    topo = case.topology()
+    assert topo.gpu_count > EXACT_LIMIT
+    assert fallback_optimum(topo, case.size, case.must) == case.expected
+    assert preferred_gpus(topo, list(range(topo.gpu_count)), case.must, case.size) == case.expected
+
+
+# --- the exact search against brute force
 
 
 def brute_force(topo: Topology, available: Sequence[int], must: Sequence[int], size: int) -> list[int]:
@@ -275,163 +437,3 @@ def test_matches_brute_force_where_the_remainder_decides(
 ) -> None:
     topo, available, must, size = request
     assert preferred_gpus(topo, available, must, size) == brute_force(topo, available, must, size)
-
-
-# --- time-sliced replicas
-
-
-def replicas(gpus: int = 4, per_gpu: int = 4) -> dict[str, int]:
-    return {f"g{g}::{r}": g for g in range(gpus) for r in range(per_gpu)}
-
-
-def offered(every: dict[str, int], allocated: Sequence[str]) -> list[str]:
-    return [rid for rid in every if rid not in allocated]
-
-
-def test_distributed_spreads_over_gpus_by_topology_when_load_is_equal() -> None:
-    every = replicas()
-    assert preferred_shared(nvlink_pairs(), every, list(every), [], 2) == ["g0::0", "g1::0"]
-    # GPU 0 carries a replica already: of the idle GPUs 1, 2, 3 the NVLink pair 2-3 wins.
-    available = offered(every, ["g0::0"])
-    assert preferred_shared(nvlink_pairs(), every, available, [], 2) == ["g2::0", "g3::0"]
-
-
-def test_distributed_prefers_least_loaded_gpus() -> None:
-    every = replicas()
-    available = offered(every, ["g0::0", "g0::1", "g1::0"])  # loads: GPU0 2, GPU1 1, GPU2 0, GPU3 0
-    assert preferred_shared(nvlink_pairs(), every, available, [], 2) == ["g2::0", "g3::0"]
-    assert preferred_shared(nvlink_pairs(), every, available, [], 3) == ["g1::1", "g2::0", "g3::0"]
-
-
-def test_distributed_beyond_one_per_gpu_goes_to_the_least_loaded() -> None:
-    every = replicas()
-    assert preferred_shared(nvlink_pairs(), every, list(every), [], 6) == [
-        "g0::0",
-        "g0::1",
-        "g1::0",
-        "g1::1",
-        "g2::0",
-        "g3::0",
-    ]
-
-
-def test_distributed_with_must_include() -> None:
-    every = replicas()
-    assert preferred_shared(nvlink_pairs(), every, list(every), ["g0::3"], 2) == ["g0::3", "g1::0"]
-
-
-def test_replica_ids_compare_numerically() -> None:
-    every = replicas(gpus=1, per_gpu=12)
-    available = offered(every, ["g0::0", "g0::1"])
-    topo = Topology.build([0], {}, {})
-    assert preferred_shared(topo, every, available, [], 1) == ["g0::2"]
-    assert preferred_shared(topo, every, available, [], 9) == [f"g0::{r}" for r in range(2, 11)]
-
-
-def test_packed_fills_the_busiest_gpu_that_fits() -> None:
-    every = replicas()
-    available = offered(every, ["g0::0", "g0::1", "g1::0"])  # free: GPU0 2, GPU1 3, GPU2 4, GPU3 4
-    assert preferred_shared(nvlink_pairs(), every, available, [], 1, "packed") == ["g0::2"]
-    assert preferred_shared(nvlink_pairs(), every, available, [], 3, "packed") == ["g1::1", "g1::2", "g1::3"]
-
-
-def test_packed_uses_fewest_gpus() -> None:
-    every = replicas()
-    available = offered(every, ["g0::0", "g0::1", "g1::0"])
-    # No GPU has 5 free: the largest idle GPU (2) first, then the busiest GPU that finishes the request.
-    assert preferred_shared(nvlink_pairs(), every, available, [], 5, "packed") == [
-        "g0::2",
-        "g2::0",
-        "g2::1",
-        "g2::2",
-        "g2::3",
-    ]
-
-
-def test_packed_fills_must_include_gpus_first() -> None:
-    every = replicas()
-    assert preferred_shared(nvlink_pairs(), every, list(every), ["g3::1"], 3, "packed") == [
-        "g3::0",
-        "g3::1",
-        "g3::2",
-    ]
-
-
-def test_packed_prefers_linked_gpu_for_the_rest() -> None:
-    every = replicas()
-    # GPU 3 is full after the must-include replicas; the remaining two go to its NVLink partner GPU 2.
-    must = ["g3::0", "g3::1", "g3::2", "g3::3"]
-    assert preferred_shared(nvlink_pairs(), every, list(every), must, 6, "packed") == [
-        "g2::0",
-        "g2::1",
-        *must,
-    ]
-
-
-def test_shared_rejects_bad_input() -> None:
-    every = replicas()
-    with pytest.raises(AllocationError, match="unknown sharing policy 'spread'"):
-        preferred_shared(nvlink_pairs(), every, list(every), [], 1, "spread")  # type: ignore[arg-type]
-    with pytest.raises(AllocationError, match="available: unknown replica id 'g9::0'"):
-        preferred_shared(nvlink_pairs(), every, ["g9::0"], [], 1)
-    with pytest.raises(AllocationError, match="replica 'x' is on GPU 7, which the topology does not have"):
-        preferred_shared(nvlink_pairs(), {"x": 7}, ["x"], [], 1)
-    with pytest.raises(AllocationError, match="size 17 is more than the 16 candidates offered"):
-        preferred_shared(nvlink_pairs(), every, list(every), [], 17)
-
-
-# --- MIG devices
-
-
-def mig_devices() -> dict[str, tuple[int, int | None]]:
-    """GPU0: 3 devices, GPU1: 2 (NUMA node 0); GPU2: 4, GPU3: 1 (node 1)."""
-    layout = {0: (3, 0), 1: (2, 0), 2: (4, 1), 3: (1, 1)}
-    return {f"mig-{g}-{i}": (g, node) for g, (count, node) in layout.items() for i in range(count)}
-
-
-def test_mig_one_gpu_on_the_first_node_that_fits_exactly() -> None:
-    devices = mig_devices()
-    # Both nodes can serve 2 from one GPU; node 0 comes first, and GPU1 fits exactly (GPU0 stays whole).
-    assert preferred_mig(devices, list(devices), [], 2) == ["mig-1-0", "mig-1-1"]
-
-
-def test_mig_fewest_gpus_within_one_node() -> None:
-    devices = mig_devices()
-    # Node 0 needs GPUs 0 and 1 for 4 devices; node 1 serves them from GPU2 alone.
-    assert preferred_mig(devices, list(devices), [], 4) == ["mig-2-0", "mig-2-1", "mig-2-2", "mig-2-3"]
-
-
-def test_mig_spans_nodes_only_when_needed() -> None:
-    devices = mig_devices()
-    assert preferred_mig(devices, list(devices), [], 6) == [
-        "mig-1-0",
-        "mig-1-1",
-        "mig-2-0",
-        "mig-2-1",
-        "mig-2-2",
-        "mig-2-3",
-    ]
-    available = [d for d in devices if not d.startswith("mig-2-")]
-    assert preferred_mig(devices, available, [], 4) == ["mig-0-0", "mig-0-1", "mig-0-2", "mig-1-0"]
-
-
-def test_mig_must_include() -> None:
-    devices = mig_devices()
-    assert preferred_mig(devices, list(devices), ["mig-3-0"], 2) == ["mig-2-0", "mig-3-0"]
-    assert preferred_mig(devices, list(devices), ["mig-0-2"], 2) == ["mig-0-0", "mig-0-2"]
-
-
-def test_mig_devices_without_numa_node_form_one_node() -> None:
-    devices: dict[str, tuple[int, int | None]] = {"a": (0, None), "b": (1, None), "c": (2, 0), "d": (2, 0)}
-    assert preferred_mig(devices, list(devices), [], 2) == ["c", "d"]
-    assert preferred_mig(devices, ["a", "b", "c"], [], 2) == ["a", "b"]
-
-
-def test_mig_rejects_bad_input() -> None:
-    devices = mig_devices()
-    with pytest.raises(AllocationError, match="must_include: unknown MIG device id 'nope'"):
-        preferred_mig(devices, list(devices), ["nope"], 1)
-    with pytest.raises(AllocationError, match="GPU 0 is given two NUMA nodes"):
-        preferred_mig({"a": (0, 0), "b": (0, 1)}, ["a"], [], 1)
-    with pytest.raises(AllocationError, match="size must be a positive integer"):
-        preferred_mig(devices, list(devices), [], 0)
