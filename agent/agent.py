@@ -1,8 +1,9 @@
 """The running agent (`Agent`): its parts, made whole by the composition root (daemon.py) and wired here: the
 NodeState bus, device-plugin servers, health monitor, telemetry, MIG manager, MPS daemons and, by mode, the
 node reconciler and the DRA parts; the supervised tasks that run them (`supervise`: log, count and restart
-with backoff); the withheld-resource reports; and ordered shutdown. Readiness is in readiness.py, config reload
-in reload.py."""
+with backoff); the takeover in a rolling update of DRA mode (DRA served at once, the parts one agent per node
+runs once the old agent stops); the withheld-resource reports; and ordered shutdown. Readiness is in
+readiness.py, config reload in reload.py."""
 
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ class Agent:
         self.hangup = hangup
         """Set by SIGHUP: reload the config file."""
         self.stopped = asyncio.Event()
+        self.taken_over = asyncio.Event()
+        """Set when, in a rolling update, the agent took the kubelet directory over from the old agent."""
         self._tasks: list[asyncio.Task[None]] = []
         preferences = Preferences(lambda: bus.current)
         self.search = ThreadPoolExecutor(max_workers=SEARCH_THREADS, thread_name_prefix="preferred-allocation")
@@ -156,30 +159,66 @@ class Agent:
             await monitor.open()  # before any device is served: no XID after that is missed
         except Exception as err:  # the health task registers again when it runs, with its restarts
             log.warning("cannot register for NVML events yet (the health monitor tries again): %s", err)
-        self._spawn("device-plugins", self.plugins.run)
+        lock = self.footing.lock
+        if lock.held:
+            self._spawn_owned()
         self._spawn("health", monitor.run)
-        self.metrics.watch_ready(self.ready)
+        self.metrics.watch_ready(self._ready)
         # Without an API server the figures are there all the same, at zero: dashboards need no special case.
         self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
         self._spawn("telemetry", telemetry.run)
-        self._spawn("mig", self.mig.run)
-        self._spawn("withheld-resources", self._follow_problems)
-        self._spawn("mps", self.mps.run)
         if opts.config_path is not None:
             self._spawn("config-reload", self.config_reload.follow)
-        if self.reconciler is not None:
-            self._spawn("node-reconciler", self.reconciler.run)
         if self.dra is not None:
             self._spawn("dra-slices", self.dra.slices.run)
             await self.dra.plugin.start()
-        self.footing.readiness.check = self.ready
+        if not lock.held:
+            self._tasks.append(asyncio.create_task(self._take_over(), name="take-over"))
+        self.footing.readiness.check = self._ready
         state = bus.current
         log.info(
             "agent started: %d GPU(s), driver %s, kubelet dir %s, resources %s",
             len(state.inventory.gpus), state.inventory.driver.version, opts.kubelet_dir,
-            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) or "none",
+            ", ".join(f"{n}={len(d)}" for n, d in self.devices().items()) if lock.held else
+            "none until the agent that serves the kubelet directory stops",
         )
+
+    def _spawn_owned(self) -> None:
+        """Start the parts one agent per node may run, those of the kubelet-directory lock's holder: the device
+        plugin, the MIG manager, the withheld-resource reports, the MPS daemons and the Node reconciler."""
+        self._spawn("device-plugins", self.plugins.run)
+        self._spawn("mig", self.mig.run)
+        self._spawn("withheld-resources", self._follow_problems)
+        self._spawn("mps", self.mps.run)
+        if self.reconciler is not None:
+            self._spawn("node-reconciler", self.reconciler.run)
+
+    async def _take_over(self) -> None:
+        """A rolling update: DRA is served already (in DRA mode); the rest waits for the old agent to let the
+        kubelet directory's lock go (it stops), then starts."""
+        await self.footing.lock.wait()
+        self.taken_over.set()
+        log.info("took over the kubelet directory %s: serving the device plugin, MIG manager, MPS daemons and the "
+                 "Node", self.options.kubelet_dir)
+        self._spawn_owned()
+
+    def _ready(self) -> tuple[bool, str]:
+        """What /readyz answers: the agent's readiness (`ready`) once it holds the kubelet directory. Before (a
+        rolling update), ready once what it can serve beside the old agent is served: in DRA mode its DRA plugin
+        registered with the kubelet and the ResourceSlice published; else at once. The DaemonSet then stops the
+        old agent, and this one takes over."""
+        if self.footing.lock.held:
+            return self.ready()
+        if (problem := self.backend.problem()) is not None:
+            return False, problem
+        if self.dra is None:
+            return True, "ok"
+        if not self.dra.plugin.registrations:
+            return False, "the DRA plugin is not registered with the kubelet yet"
+        if not self.dra.slices.published.is_set():
+            return False, "the ResourceSlice is not published yet"
+        return True, "ok"
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
         resources = self.plans(self.bus.current).resources

@@ -1,8 +1,9 @@
 """What start and every config reload check of the config against the node before anything is used: the
 config's paths (a MIG layouts file, the MIG state directory, the PodResources socket), the socket paths the
-kubelet directory leaves room for, what only the node shows (sharing conflicts, the IMEX channel), and the
-settings only a restart can change; a failure is a `StartupError` or a `ConfigError` whose message is one line
-naming what to change. Also the machine type (the DMI product name) that start and reload read for the labels."""
+kubelet directory leaves room for (the device plugin's; at start the DRA plugin's too), what only the node shows
+(sharing conflicts, the IMEX channel), and the settings only a restart can change; a failure is a `StartupError`
+or a `ConfigError` whose message is one line naming what to change. Also the machine type (the DMI product
+name) that start and reload read for the labels."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def check_sockets(kubelet_dir: Path, resources: Iterable[str]) -> None:
         raise StartupError(f"kubelet directory {kubelet_dir} is {len(str(kubelet_dir))} bytes long: a socket path "
                            f"holds at most {SOCKET_PATH_MAX} bytes, which leaves {max(room, 0)} for the name of "
                            f"{name}, and it needs {need} (use a shorter --kubelet-dir)")
+
+
+def check_dra_sockets(*sockets: Path) -> None:
+    """Refuse DRA sockets (the registration socket and the DRA service's, with the agent Pod's UID in their names
+    during rolling updates) whose paths AF_UNIX cannot hold."""
+    for socket in sockets:
+        if len(str(socket).encode()) > SOCKET_PATH_MAX:
+            raise StartupError(f"DRA socket {socket} is {len(str(socket).encode())} bytes long: a socket path holds "
+                               f"at most {SOCKET_PATH_MAX} bytes (use a shorter dra.driverName or kubelet directory)")
 
 
 def check_paths(config: AgentConfig) -> None:

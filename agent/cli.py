@@ -217,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         options = AgentOptions(
             config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
             metrics_host=args.metrics_address, kube=kube,
-            config_path=args.config,
+            config_path=args.config, pod_uid=os.environ.get("POD_UID") or None,
         )
         return await run_until_signal(backend, options)
 

@@ -1,8 +1,9 @@
 """The composition root: `start_agent` checks the config and the node (checks.py), takes the footing (the
-kubelet-directory lock, the NVML thread, the metrics and their HTTP endpoint), initialises NVML with retries,
-builds the first NodeState and every part of the `Agent` (agent.py), the DRA parts in DRA mode, and returns it
-serving, or the `IdleAgent` where NVML stays unavailable and that is allowed; a start that fails gives back
-what it took. `run_until_signal` runs it until SIGTERM or SIGINT (SIGHUP reloads the config)."""
+kubelet-directory lock, or in a rolling update of DRA mode the wait for it, the NVML thread, the metrics and their
+HTTP endpoint), initialises NVML with retries, builds the first NodeState and every part of the `Agent`
+(agent.py), the DRA parts in DRA mode, and returns it serving, or the `IdleAgent` where NVML stays unavailable
+and that is allowed; a start that fails gives back what it took. `run_until_signal` runs it until SIGTERM or
+SIGINT (SIGHUP reloads the config)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -24,12 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agent.agent import Agent
-from agent.checks import StartupError, check_on_node, check_paths, check_sockets, machine_type
+from agent.checks import (
+    StartupError,
+    check_dra_sockets,
+    check_on_node,
+    check_paths,
+    check_sockets,
+    machine_type,
+)
 from agent.config import AgentConfig
 from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
-from agent.locks import DirectoryLock, Held
+from agent.locks import DirectoryLock, Held, holder
 from agent.metrics import HttpEndpoint, Metrics
 from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
@@ -44,6 +53,9 @@ if TYPE_CHECKING:  # DRA mode and the API server's modules load only where the a
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,35}")
+"""What the agent takes as a Pod UID (Kubernetes gives an RFC 4122 UUID, 36 characters): it goes into socket names."""
 
 NVML_INIT_ATTEMPTS = 5
 NVML_INIT_BACKOFF_S = 1.0
@@ -62,6 +74,11 @@ class AgentOptions:
     mps_control: Control | None = None
     """How the MPS control daemons are reached; None: the driver's nvidia-cuda-mps-control (`simulate` gives
     its simulated daemon)."""
+    pod_uid: str | None = None
+    """The agent Pod's UID (POD_UID, from the downward API): the agent may start beside the node's old agent
+    during a rolling update with surge. The DRA sockets carry it in their names; a new agent whose node still
+    runs the old one serves DRA at once (in DRA mode) and the rest once the old one stops (docs/dra.md, "Rolling
+    updates"). Without it, a second agent on a node is refused."""
 
 
 class NvmlThread:
@@ -85,6 +102,8 @@ class Footing:
     backend: NvmlBackend
     options: AgentOptions
     lock: DirectoryLock
+    """Held from the start, or (a rolling update in DRA mode) not yet: the Agent takes it once the old agent
+    lets it go (`DirectoryLock.wait`)."""
     nvml: NvmlThread
     metrics: Metrics
     readiness: Readiness
@@ -97,11 +116,18 @@ class Footing:
         raises StartupError (holding nothing) when one of them cannot be had."""
         check_paths(options.config)
         check_sockets(options.kubelet_dir, ())
+        if options.pod_uid is not None and not POD_UID.fullmatch(options.pod_uid):
+            raise StartupError(f"POD_UID {options.pod_uid!r} is not a Pod UID (letters, digits and dashes, at most "
+                               "36; the DaemonSet sets it from metadata.uid)")
         lock = DirectoryLock(options.kubelet_dir, f"another agent serves the kubelet directory {options.kubelet_dir}")
         try:
             lock.acquire()
         except Held as err:
-            raise StartupError(str(err)) from None
+            if not options.pod_uid:
+                raise StartupError(str(err)) from None
+            log.info("%s serves the kubelet directory %s (a rolling update): %sthe device plugin, MIG manager, "
+                     "MPS daemons and the Node once it stops", holder(options.kubelet_dir), options.kubelet_dir,
+                     "serving DRA now, and " if options.config.dra.enabled else "serving ")
         metrics = Metrics()
         readiness = Readiness()
         http = None
@@ -228,7 +254,8 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
     from agent.dra.publisher import PublisherClass, SlicePublisher, slice_api
 
     metrics = footing.metrics
-    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root)
+    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root, options.pod_uid)
+    check_dra_sockets(paths.registration, paths.endpoint)
     dynamic: DynamicMig | None = None
     try:
         make: PublisherClass = SlicePublisher

@@ -1,13 +1,20 @@
-"""Exclusion between processes on one node: one MIG apply per state directory, one agent per kubelet directory.
-A second one is refused in one line naming the process that holds the lock."""
+"""Exclusion between processes on one node: one MIG apply per state directory, one agent per kubelet directory
+(a second one is refused in one line naming the process that holds the lock, or, during a rolling update in DRA
+mode, waits for it: `DirectoryLock.wait`), and one DRA prepare or unprepare at a time across the agents of a
+node (`SerialLock`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+
+WAIT_POLL_MIN_S = 0.05
+WAIT_POLL_MAX_S = 0.5
+"""How often `DirectoryLock.wait` tries the lock again: from 50 ms, doubling, to at most 500 ms between tries."""
 
 
 class Held(RuntimeError):
@@ -34,9 +41,13 @@ def _flock(fd: int, path: Path, what: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        pid = _holder_of(path)
-        holder = f"pid {pid}" if pid is not None else "another process"
-        raise Held(f"{what}: {holder} holds the lock on {path}") from None
+        raise Held(f"{what}: {holder(path)} holds the lock on {path}") from None
+
+
+def holder(path: Path) -> str:
+    """Who holds the flock on `path`, in words: "pid N", or "another process" where /proc/locks does not say."""
+    pid = _holder_of(path)
+    return f"pid {pid}" if pid is not None else "another process"
 
 
 @contextlib.contextmanager
@@ -65,7 +76,55 @@ class DirectoryLock:
         _flock(fd, self._directory, self._what)
         self._fd = fd
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    async def wait(self) -> None:
+        """Take the lock once its holder lets it go (exits, or releases it): tried again from every 50 ms up to
+        every 500 ms, so a wait costs nothing while the holder runs and is cancelled at once."""
+        pause = WAIT_POLL_MIN_S
+        while True:
+            try:
+                self.acquire()
+                return
+            except Held:
+                pass
+            await asyncio.sleep(pause)
+            pause = min(WAIT_POLL_MAX_S, pause * 2)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class SerialLock:
+    """One holder at a time among the coroutines of this process and every process that locks the same directory:
+    an asyncio lock, then a flock on the directory itself (made when missing; no lock file is left in it), taken on
+    a thread so the event loop goes on while another process holds it. The DRA kubelet plugins of a node (two
+    during a rolling update) hold it on their plugin directory around each prepare and unprepare."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._local = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        async with self._local:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            locking = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, fcntl.LOCK_EX)
+            try:
+                await asyncio.shield(locking)
+            except asyncio.CancelledError:
+                # The thread still waits for the lock: the descriptor, and with it the lock, goes once it has it.
+                locking.add_done_callback(lambda _: os.close(fd))
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                yield
+            finally:
+                os.close(fd)

@@ -17,10 +17,12 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.locks import SerialLock
 from agent.yamlfile import InputFileError, read_text_file, sync_directory, write_atomically
 
 log = logging.getLogger("agent.dra.plugin")
@@ -46,12 +48,20 @@ class Paths:
     """The DRA service's socket."""
     checkpoint: Path
     cdi_dir: Path
+    lock: Path
+    """The directory every agent of the node locks (a flock on the directory itself) around each prepare and
+    unprepare: the plugin's own directory, where the checkpoint is."""
 
     @classmethod
-    def under(cls, kubelet_root: Path, driver: str, cdi_dir: Path) -> Paths:
+    def under(cls, kubelet_root: Path, driver: str, cdi_dir: Path, pod_uid: str | None = None) -> Paths:
+        """The paths of a driver's plugin. With `pod_uid` (a rolling update may run two agents on the node, each
+        with its own sockets) the sockets carry the agent Pod's UID: `<driver>-<uid>-reg.sock` and
+        `dra-<uid>.sock`, the names of Kubernetes' kubeletplugin helper with its RollingUpdate option; without,
+        `<driver>-reg.sock` and `dra.sock`."""
         plugin_dir = kubelet_root / "plugins" / driver
-        return cls(kubelet_root / "plugins_registry" / f"{driver}-reg.sock", plugin_dir / "dra.sock",
-                   plugin_dir / "checkpoint.json", cdi_dir)
+        uid = f"-{pod_uid}" if pod_uid else ""
+        return cls(kubelet_root / "plugins_registry" / f"{driver}{uid}-reg.sock", plugin_dir / f"dra{uid}.sock",
+                   plugin_dir / "checkpoint.json", cdi_dir, plugin_dir)
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,36 @@ class ClaimStore:
         self.claims: dict[str, dict[str, Any]] = {}
         """By UID: namespace, name, state, devices (requests, pool, device, CDI ids) and mig (the MIG devices
         made for it, by device name)."""
+        self._serial = SerialLock(paths.lock)
+        self._seen: tuple[int, int, int] | None = None
+        """The checkpoint file's identity (inode, mtime, size) when this store last read or wrote it."""
         self._load()
+
+    @contextlib.asynccontextmanager
+    async def serialized(self) -> AsyncIterator[None]:
+        """Hold the node's prepare lock (a flock on `Paths.lock`, the plugin directory), shared with every agent on
+        the node (two run during a rolling update), with the claims read again from the checkpoint."""
+        async with self._serial.hold():
+            self.refresh(always=True)
+            yield
+
+    def refresh(self, always: bool = False) -> None:
+        """Read the checkpoint again: `always`, or where its file is not the one this store last read or wrote
+        (another agent of the node wrote it since). One that cannot be read now leaves the claims as they are."""
+        if not always and self._identity() == self._seen:
+            return
+        try:
+            self.claims, _ = self._read(self._paths.checkpoint)
+        except Damaged as err:
+            log.error("%s; keeping the claims as this agent last knew them", err)
+        self._seen = self._identity()
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self._paths.checkpoint)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     @property
     def corrupt_copy(self) -> Path:
@@ -129,6 +168,7 @@ class ClaimStore:
                 sync_directory(path.parent)
         except OSError as err:
             raise ClaimError(f"cannot write the DRA checkpoint {path}: {err.strerror}") from None
+        self._seen = self._identity()
 
     def _set_aside(self, path: Path, why: str, outcome: str) -> None:
         """Keep a damaged file as <name>.corrupt, saying so in one line."""
@@ -198,6 +238,7 @@ class ClaimStore:
         write_atomically(self._paths.checkpoint, json.dumps(
             {"version": CHECKPOINT_VERSION, "checksum": checksum(self.claims), "claims": self.claims},
             sort_keys=True))
+        self._seen = self._identity()
 
     # --- the claims ---------------------------------------------------------------------------------------
 

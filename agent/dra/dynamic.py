@@ -347,7 +347,9 @@ class DynamicMig:
         if not self.store.sweep_allowed:
             return []
         swept = []
-        async with self._lock:
+        # Under the node's prepare lock, with the claims as the checkpoint has them: a MIG device the other agent
+        # of a rolling update made for a claim is that claim's.
+        async with self.store.serialized(), self._lock:
             owned = {(int(r["gpu"]), int(r["start"])) for r in self.made.values()}
             for gpu, _ in dynamic_gpus(state, self.profiles_of, taints=True):
                 try:

@@ -48,6 +48,7 @@ class DeviceHealthStream:
         (device name, HealthStatus, since when in Unix seconds): a device's GPU's health; Unknown for a
         prepared device the node no longer has (a MIG device of a replaced layout)."""
         state = self._bus.current
+        self._store.refresh()  # with the claims the other agent of a rolling update prepared
         gpus = device_gpus(state)
         if self._dynamic is not None:
             gpus.update(self._dynamic.device_gpus(state))

@@ -75,17 +75,24 @@ class Preparer:
 
     async def prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
         """Prepare claim `uid` (idempotent). Prepares and unprepares of one claim run one at a time, so an
-        unprepare that arrives while a prepare waits for the API server is not undone by it."""
+        unprepare that arrives while a prepare waits for the API server is not undone by it. What changes the
+        node runs under the node's prepare lock (`ClaimStore.serialized`), with the checkpoint as the other
+        agent of a rolling update may have left it; the claim is read from the API server before, outside it."""
         async with self._locks.hold(uid):
-            return await self._prepare(namespace, uid, name)
+            async with self._store.serialized():
+                done = self._store.get(uid)
+            if done is not None:
+                return done
+            claim = await self._claims.claim(namespace, name)
+            async with self._store.serialized():
+                return await self._prepare(namespace, uid, name, claim)
 
-    async def _prepare(self, namespace: str, uid: str, name: str) -> list[Prepared]:
+    async def _prepare(self, namespace: str, uid: str, name: str, claim: dict[str, Any] | None) -> list[Prepared]:
         done = self._store.get(uid)
-        if done is not None:
+        if done is not None:  # prepared meanwhile by the other agent of a rolling update
             return done
         if self._store.state(uid) is not None:  # a prepare cut short (PrepareStarted): undone, then done again
             await self._roll_back(uid)
-        claim = await self._claims.claim(namespace, name)
         where = f"claim {namespace}/{name}"
         if claim is None:
             raise ClaimError(f"{where}: not found")
@@ -248,6 +255,7 @@ class Preparer:
         """The devices of the prepared claims as the MIG manager counts who holds a GPU: one per device, by the
         UUID of its GPU or MIG device (a replica's is its GPU's), the claim where a pod would be named."""
         known = self._devices()
+        self._store.refresh()  # the claims the other agent of a rolling update prepared count too
         return [DeviceHolder(entry["namespace"], entry["name"], "", CLAIM, uuid)
                 for entry in self._store.claims.values() for d in entry["devices"]
                 if (uuid := known.get(d["device"], ("", []))[0])]
@@ -255,7 +263,7 @@ class Preparer:
     async def unprepare(self, uid: str) -> None:
         """Unprepare claim `uid` (idempotent): its MIG devices destroyed, then the claim forgotten and its CDI
         spec removed. DynamicMigError or OSError when that cannot be done; the kubelet retries."""
-        async with self._locks.hold(uid):
+        async with self._locks.hold(uid), self._store.serialized():
             known = self._store.state(uid) is not None
             await self.release(uid)
             self._store.remove(uid)
@@ -266,7 +274,12 @@ class Preparer:
     async def recover(self) -> None:
         """At start, before the kubelet is served: roll back the prepares a crash cut short (the kubelet, which
         got no answer, prepares them again) and remove the CDI specs no claim of the checkpoint owns; one log
-        line each."""
+        line each. Under the node's prepare lock: a prepare the other agent of a rolling update has under way is
+        not cut short, and one it left PrepareStarted was."""
+        async with self._store.serialized():
+            await self._recover()
+
+    async def _recover(self) -> None:
         for uid in self._store.started():
             entry = self._store.claims[uid]
             where = f"claim {entry['namespace']}/{entry['name']} ({uid})" if entry["name"] else f"claim {uid}"

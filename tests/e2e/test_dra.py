@@ -28,8 +28,8 @@ DRIVER = "gpu.gpu-node-agent.io"
 SLICE = f"{NODE}-{DRIVER}"
 TEMPLATE = REPO / "deployments" / "dra" / "examples" / "two-gpus-one-nvlink-domain.yaml"
 KUBELET = Path("/var/lib/kubelet")
-REGISTRATION_SOCKET = KUBELET / "plugins_registry" / f"{DRIVER}-reg.sock"
-DRA_SOCKET = KUBELET / "plugins" / DRIVER / "dra.sock"
+REGISTRY = KUBELET / "plugins_registry"
+PLUGIN_DIR = KUBELET / "plugins" / DRIVER
 CHECKPOINT = KUBELET / "plugins" / DRIVER / "checkpoint.json"
 CDI_DIR = Path("/var/run/cdi")
 NVIDIA_MAJOR = 195
@@ -53,8 +53,26 @@ def node_slices(cluster: Cluster) -> list[str]:
     return [s["metadata"]["name"] for s in items]
 
 
-def agent_log(cluster: Cluster) -> str:
-    return cluster.kubectl("logs", "-n", NAMESPACE, cluster.agent_pod())
+def agent_log(cluster: Cluster, pod: str | None = None) -> str:
+    return cluster.kubectl("logs", "-n", NAMESPACE, pod or cluster.agent_pod())
+
+
+def agent_uid(cluster: Cluster, pod: str | None = None) -> str:
+    """The agent Pod's UID, which names its DRA sockets (POD_UID, from the Component deployments/dra/mode)."""
+    uid: str = cluster.get("pod", "-n", NAMESPACE, pod or cluster.agent_pod())["metadata"]["uid"]
+    return uid
+
+
+def registration_socket(uid: str) -> Path:
+    return REGISTRY / f"{DRIVER}-{uid}-reg.sock"
+
+
+def dra_socket(uid: str) -> Path:
+    return PLUGIN_DIR / f"dra-{uid}.sock"
+
+
+def sockets(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_socket()) if folder.exists() else []
 
 
 def rolled_out(cluster: Cluster) -> None:
@@ -86,7 +104,7 @@ def dra_node(cluster: Cluster) -> Iterator[Cluster]:
     after = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
              cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
     assert after == before
-    assert not REGISTRATION_SOCKET.exists()
+    assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
     # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
     eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
     TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
@@ -94,9 +112,10 @@ def dra_node(cluster: Cluster) -> Iterator[Cluster]:
 
 def test_the_kubelet_registered_the_dra_plugin_and_the_slice_holds_the_eight_gpus(dra_node: Cluster) -> None:
     cluster = dra_node
-    assert REGISTRATION_SOCKET.is_socket() and DRA_SOCKET.is_socket()
+    uid = agent_uid(cluster)
+    assert registration_socket(uid).is_socket() and dra_socket(uid).is_socket()
     registrations = [line for line in cluster.kubelet_log().splitlines()
-                     if "RegisterPlugin started" in line and str(REGISTRATION_SOCKET) in line]
+                     if "RegisterPlugin started" in line and str(registration_socket(uid)) in line]
     assert registrations, "the kubelet never took up the agent's registration socket"
     # The kubelet's NotifyRegistrationStatus(registered) is what the agent logs this on.
     eventually(lambda: f"registered DRA driver {DRIVER} with the kubelet" in agent_log(cluster), 30,
@@ -237,3 +256,62 @@ def test_an_xid_taints_or_withdraws_the_gpu_as_the_release_keeps_taints_until_it
     assert devices()[0] > changed[0]
     eventually(lambda: not [t for t in cluster.node()["spec"].get("taints", [])
                             if t["key"] == "gpu-node-agent.io/gpu-fault"], 30, "no health taint on the node")
+
+
+def test_a_rollout_restart_serves_claims_throughout_and_the_new_agent_takes_over(dra_node: Cluster) -> None:
+    """docs/dra.md, "Rolling updates": the new agent Pod starts beside the old one (maxSurge 1), serves DRA at once
+    and takes the rest over once the DaemonSet stopped the old one; a pod holding a claim runs on, and a pod with a
+    claim created while both agents run gets its devices."""
+    cluster = dra_node
+    old = cluster.agent_pod()
+    old_uid = agent_uid(cluster, old)
+    cluster.kubectl("apply", "-n", "default", "-f", str(TEMPLATE))
+    try:
+        cluster.apply(claim_pod("dra-before", "two-gpus-one-nvlink-domain"))
+        eventually(lambda: cluster.get("pod", "-n", "default", "dra-before")["status"].get("phase") == "Running",
+                   90, "the first claim's pod Running")
+        before_claim = cluster.get("pod", "-n", "default", "dra-before")["status"]["resourceClaimStatuses"][0][
+            "resourceClaimName"]
+        before_uid = cluster.get("resourceclaim", "-n", "default", before_claim)["metadata"]["uid"]
+
+        restarted = time.monotonic()
+        cluster.kubectl("rollout", "restart", "-n", NAMESPACE, "daemonset/gpu-node-agent")
+
+        def new_pod() -> str | None:
+            names = [p["metadata"]["name"] for p in cluster.agent_pods() if p["metadata"]["name"] != old]
+            return names[0] if names else None
+        new = eventually(new_pod, 60, "the new agent pod")
+        new_uid = agent_uid(cluster, new)
+        cluster.apply(claim_pod("dra-during", "two-gpus-one-nvlink-domain"))
+        # Created while the old agent still runs (the DaemonSet stops it only once the new one is ready).
+        running = {p["metadata"]["name"] for p in cluster.agent_pods() if not p["metadata"].get("deletionTimestamp")}
+        assert running == {old, new}
+        eventually(lambda: registration_socket(new_uid).is_socket(), 60, "the new agent's registration socket")
+        eventually(lambda: cluster.get("pod", "-n", "default", "dra-during")["status"].get("phase") == "Running",
+                   120, "the claim's pod created during the rollout Running")
+        TIMES["DRA rollout restart -> a claim's pod created meanwhile Running"] = time.monotonic() - restarted
+        rolled_out(cluster)
+        TIMES["DRA rollout restart -> rollout status returned"] = time.monotonic() - restarted
+        assert cluster.agent_pod() == new
+        assert cluster.get("pod", "-n", "default", "dra-before")["status"]["phase"] == "Running"
+
+        log = agent_log(cluster, new)
+        assert f"serves the kubelet directory {KUBELET}/device-plugins (a rolling update): serving DRA now" in log
+        eventually(lambda: "took over the kubelet directory" in agent_log(cluster, new), 30,
+                   "the new agent to take over from the old one")
+        # Only the new agent's sockets are left.
+        assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == [f"{DRIVER}-{new_uid}-reg.sock"]
+        assert sockets(PLUGIN_DIR) == [f"dra-{new_uid}.sock"]
+        assert old_uid != new_uid and not registration_socket(old_uid).exists()
+
+        # The claim the old agent prepared is unprepared by the new one.
+        assert before_uid in json.loads(CHECKPOINT.read_text())["claims"]
+        cluster.delete_pods("dra-before")
+        eventually(lambda: before_uid not in json.loads(CHECKPOINT.read_text())["claims"], 60,
+                   "the first claim unprepared by the new agent")
+        assert not (CDI_DIR / f"{DRIVER}-claim-{before_uid}.json").exists()
+        assert f"unprepared claim {before_uid}" in agent_log(cluster, new)
+    finally:
+        cluster.delete_pods("dra-before", "dra-during")
+        cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
+        eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60, "the claims deleted")

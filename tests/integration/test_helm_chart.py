@@ -854,6 +854,15 @@ def test_dra_enabled_renders_the_dra_overlay(helm: Helm) -> None:
     assert config_map(chart, "gpu-node-agent-config") == {
         "config.yaml": "version: v1\ndra:\n  enabled: true\nmig:\n  layoutsFile: /etc/gpu-agent/mig-layouts.yaml\n"
     }
+    # Rolling updates with surge, the Pod's UID passed to the agent; without DRA, one node at a time, no surge.
+    assert daemonset(chart)["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert [e for e in container(chart)["env"] if e["name"] == "POD_UID"] == [
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}}]
+    plain = helm.render({})
+    assert daemonset(plain)["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    assert "POD_UID" not in {e["name"] for e in container(plain)["env"]}
 
 
 def test_dra_enabled_alone_leaves_the_agents_config_to_the_nodes(helm: Helm, tmp_path: Path) -> None:

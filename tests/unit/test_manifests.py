@@ -497,6 +497,7 @@ def test_dra_mode_component_patches_the_daemonset_and_the_config() -> None:
     assert component["kind"] == "Component"
     assert component["patches"] == [
         {"target": {"kind": "DaemonSet", "name": "gpu-node-agent"}, "path": "daemonset-mounts.yaml"},
+        {"target": {"kind": "DaemonSet", "name": "gpu-node-agent"}, "path": "daemonset-rolling.yaml"},
         {"path": "configmap-config.yaml"},
     ]
     overlay = yaml.safe_load((DRA_OVERLAY / "kustomization.yaml").read_text())
@@ -534,6 +535,39 @@ def test_dra_mode_mounts_are_where_the_agent_puts_its_sockets_and_cdi_specs() ->
     mounted = {op["value"]["mountPath"] for op in dra_patch() if "mountPath" in op["value"]}
     assert {str(paths.registration.parent), str(paths.endpoint.parent), str(paths.checkpoint.parent),
             str(paths.cdi_dir)} == mounted
+
+
+def test_dra_mode_rolls_the_new_agent_in_beside_the_old_one_with_its_pod_uid() -> None:
+    ops = yaml.safe_load((DRA_MODE / "daemonset-rolling.yaml").read_text())
+    assert ops == [
+        {"op": "replace", "path": "/spec/updateStrategy/rollingUpdate", "value": {"maxUnavailable": 0, "maxSurge": 1}},
+        {"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": {
+            "name": "POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}}},
+    ]
+    # What it replaces is there in the base, and the base passes no POD_UID of its own.
+    assert one("DaemonSet", "gpu-node-agent")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert "POD_UID" not in {e["name"] for e in container()["env"]}
+
+
+def test_dra_sockets_with_a_pod_uid_fit_a_unix_socket_path() -> None:
+    from agent.checks import SOCKET_PATH_MAX, StartupError, check_dra_sockets
+    from agent.dra.claims import Paths
+
+    uid = "0f4c2a9e-3b7d-4e21-9c55-6a1d8e2b7f30"  # a Pod UID: 36 characters
+    paths = Paths.under(Path("/var/lib/kubelet"), "gpu.gpu-node-agent.io", Path("/var/run/cdi"), uid)
+    assert str(paths.registration) == f"/var/lib/kubelet/plugins_registry/gpu.gpu-node-agent.io-{uid}-reg.sock"
+    assert str(paths.endpoint) == f"/var/lib/kubelet/plugins/gpu.gpu-node-agent.io/dra-{uid}.sock"
+    assert str(paths.lock) == "/var/lib/kubelet/plugins/gpu.gpu-node-agent.io"  # flocked itself: no lock file
+    # 34 + 21 + 1 + 36 + 9 and 25 + 21 + 5 + 36 + 5 bytes: 6 to spare under AF_UNIX's 107.
+    assert (len(str(paths.registration)), len(str(paths.endpoint)), SOCKET_PATH_MAX) == (101, 92, 107)
+    check_dra_sockets(paths.registration, paths.endpoint)
+    # A driver name 9 characters longer leaves no room (110 bytes): refused at start, naming the socket.
+    longer = Paths.under(Path("/var/lib/kubelet"), "gpu.gpu-node-agent.example.com", Path("/var/run/cdi"), uid)
+    with pytest.raises(StartupError) as refused:
+        check_dra_sockets(longer.registration, longer.endpoint)
+    assert str(refused.value) == (
+        f"DRA socket /var/lib/kubelet/plugins_registry/gpu.gpu-node-agent.example.com-{uid}-reg.sock is 110 bytes long"
+        ": a socket path holds at most 107 bytes (use a shorter dra.driverName or kubelet directory)")
 
 
 def test_dra_mode_config_is_the_base_config_with_dra_enabled() -> None:
