@@ -147,22 +147,22 @@ class Agent:
             await monitor.open()  # before any device is served: no XID after that is missed
         except Exception as err:  # the health task registers again when it runs, with its restarts
             log.warning("cannot register for NVML events yet (the health monitor tries again): %s", err)
-        self._spawn("device-plugins", self.plugins.run)
-        self._spawn("health", monitor.run)
+        self.spawn("device-plugins", self.plugins.run)
+        self.spawn("health", monitor.run)
         self.metrics.watch_ready(self.ready)
         # Without an API server the figures are there all the same, at zero: dashboards need no special case.
         self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
-        self._spawn("telemetry", telemetry.run)
-        self._spawn("mig", self.mig.run)
-        self._spawn("withheld-resources", self._follow_problems)
-        self._spawn("mps", self.mps.run)
+        self.spawn("telemetry", telemetry.run)
+        self.spawn("mig", self.mig.run)
+        self.spawn("withheld-resources", self._follow_problems)
+        self.spawn("mps", self.mps.run)
         if opts.config_path is not None:
-            self._spawn("config-reload", self.config_reload.follow)
+            self.spawn("config-reload", self.config_reload.follow)
         if self.reconciler is not None:
-            self._spawn("node-reconciler", self.reconciler.run)
+            self.spawn("node-reconciler", self.reconciler.run)
         if self.dra is not None:
-            self._spawn("dra-slices", self.dra.slices.run)
+            self.spawn("dra-slices", self.dra.slices.run)
             await self.dra.plugin.start()
         self.footing.readiness.check = self.ready
         state = bus.current
@@ -200,8 +200,12 @@ class Agent:
             self.metrics.unmatched_selectors.set(len(current.warnings))
             state = await self.bus.wait_newer(state.version)
 
-    def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
-        self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
+    def spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """Run `run` as a supervised task named `name` (restarted after an error, counted by that name) for as
+        long as the agent runs: stop() cancels it with the others and waits for it."""
+        task = asyncio.create_task(supervise(name, run, self.metrics), name=name)
+        self._tasks.append(task)
+        return task
 
     async def stop(self) -> None:
         """Ordered shutdown: stop the tasks, stop serving (brief grace for in-flight RPCs), remove sockets,
