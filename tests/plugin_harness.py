@@ -20,6 +20,7 @@ from agent.agent import Agent
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.daemon import AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.health.monitor import HealthMonitor
 from agent.kube.reconciler import NodeClient
 from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
@@ -52,6 +53,14 @@ async def wait_until(check: Callable[[], T], timeout: float = 5.0, what: str = "
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(POLL_S)
     return result
+
+
+async def health_samples(monitor: HealthMonitor, count: int, timeout: float = 10.0) -> None:
+    """Once the health monitor has taken `count` more samples (each replaces its telemetry whole): proof that
+    that much of the agent's own time went by with it running."""
+    for n in range(1, count + 1):
+        last = monitor.telemetry
+        await wait_until(lambda: monitor.telemetry is not last, timeout, f"health sample {n} of {count}")  # noqa: B023
 
 
 @dataclass
