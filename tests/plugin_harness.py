@@ -80,6 +80,10 @@ class Rig:
     def devices(self, resource: str = "nvidia.com/gpu") -> list[api_pb2.Device]:
         return self.kubelet.plugins[resource].devices
 
+    def open_streams(self, resource: str = "nvidia.com/gpu") -> int:
+        """ListAndWatch streams the agent holds open for `resource` now (the kubelet's among them)."""
+        return self.agent.plugins.plugins[resource].servicer.open_streams
+
     def health(self, resource: str = "nvidia.com/gpu") -> list[str]:
         """The health of each device of `resource` as the kubelet last heard it; [] before it heard any."""
         view = self.kubelet.plugins.get(resource)
