@@ -162,16 +162,16 @@ class Agent:
         lock = self.footing.lock
         if lock.held:
             self._spawn_owned()
-        self._spawn("health", monitor.run)
+        self.spawn("health", monitor.run)
         self.metrics.watch_ready(self._ready)
         # Without an API server the figures are there all the same, at zero: dashboards need no special case.
         self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
-        self._spawn("telemetry", telemetry.run)
+        self.spawn("telemetry", telemetry.run)
         if opts.config_path is not None:
-            self._spawn("config-reload", self.config_reload.follow)
+            self.spawn("config-reload", self.config_reload.follow)
         if self.dra is not None:
-            self._spawn("dra-slices", self.dra.slices.run)
+            self.spawn("dra-slices", self.dra.slices.run)
             await self.dra.plugin.start()
         if not lock.held:
             self._tasks.append(asyncio.create_task(self._take_over(), name="take-over"))
@@ -187,12 +187,12 @@ class Agent:
     def _spawn_owned(self) -> None:
         """Start the parts one agent per node may run, those of the kubelet-directory lock's holder: the device
         plugin, the MIG manager, the withheld-resource reports, the MPS daemons and the Node reconciler."""
-        self._spawn("device-plugins", self.plugins.run)
-        self._spawn("mig", self.mig.run)
-        self._spawn("withheld-resources", self._follow_problems)
-        self._spawn("mps", self.mps.run)
+        self.spawn("device-plugins", self.plugins.run)
+        self.spawn("mig", self.mig.run)
+        self.spawn("withheld-resources", self._follow_problems)
+        self.spawn("mps", self.mps.run)
         if self.reconciler is not None:
-            self._spawn("node-reconciler", self.reconciler.run)
+            self.spawn("node-reconciler", self.reconciler.run)
 
     async def _take_over(self) -> None:
         """A rolling update: DRA is served already (in DRA mode); the rest waits for the old agent to let the
@@ -248,8 +248,12 @@ class Agent:
             self.metrics.unmatched_selectors.set(len(current.warnings))
             state = await self.bus.wait_newer(state.version)
 
-    def _spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
-        self._tasks.append(asyncio.create_task(supervise(name, run, self.metrics), name=name))
+    def spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """Run `run` as a supervised task named `name` (restarted after an error, counted by that name) for as
+        long as the agent runs: stop() cancels it with the others and waits for it."""
+        task = asyncio.create_task(supervise(name, run, self.metrics), name=name)
+        self._tasks.append(task)
+        return task
 
     async def stop(self) -> None:
         """Ordered shutdown: stop the tasks, stop serving (brief grace for in-flight RPCs), remove sockets,

@@ -20,6 +20,7 @@ from agent.agent import Agent
 from agent.config import DEFAULT_CONFIG, AgentConfig
 from agent.daemon import AgentOptions
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from agent.health.monitor import HealthMonitor
 from agent.kube.reconciler import NodeClient
 from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
@@ -54,6 +55,14 @@ async def wait_until(check: Callable[[], T], timeout: float = 5.0, what: str = "
     return result
 
 
+async def health_samples(monitor: HealthMonitor, count: int, timeout: float = 10.0) -> None:
+    """Once the health monitor has taken `count` more samples (each replaces its telemetry whole): proof that
+    that much of the agent's own time went by with it running."""
+    for n in range(1, count + 1):
+        last = monitor.telemetry
+        await wait_until(lambda: monitor.telemetry is not last, timeout, f"health sample {n} of {count}")  # noqa: B023
+
+
 @dataclass
 class Rig:
     directory: Path
@@ -70,6 +79,10 @@ class Rig:
 
     def devices(self, resource: str = "nvidia.com/gpu") -> list[api_pb2.Device]:
         return self.kubelet.plugins[resource].devices
+
+    def open_streams(self, resource: str = "nvidia.com/gpu") -> int:
+        """ListAndWatch streams the agent holds open for `resource` now (the kubelet's among them)."""
+        return self.agent.plugins.plugins[resource].servicer.open_streams
 
     def health(self, resource: str = "nvidia.com/gpu") -> list[str]:
         """The health of each device of `resource` as the kubelet last heard it; [] before it heard any."""

@@ -128,6 +128,11 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self._counters: dict[str, Any] = {}
         """The metrics' children for this resource, by metric: prometheus_client's labels() is slow per call."""
 
+    @property
+    def open_streams(self) -> int:
+        """ListAndWatch streams open now (at most MAX_STREAMS); one a client left counts until its handler ends."""
+        return self._streams
+
     def open(self) -> None:
         """Streams opened from now on run until close()."""
         self._generation = _Generation()

@@ -285,8 +285,10 @@ def test_a_rolling_update_never_runs_two_agents_and_restores_allocatable(cluster
 # --- MIG through the node label -----------------------------------------------------------------------------------
 
 
-def mig_states(cluster: Cluster, until: set[str], timeout: float) -> list[str]:
-    """The node's nvidia.com/mig.config.state values as a watch sees them, until one in `until`."""
+def mig_states(cluster: Cluster, until: set[str], timeout: float, listed: threading.Event) -> list[str]:
+    """The node's nvidia.com/mig.config.state values as a watch sees them, until one in `until` after the first.
+    `listed` is set once the watch has shown the Node as it is: kubectl lists, then watches from the list's
+    version, so no change made after that is missed."""
     watch = subprocess.Popen(
         [str(KUBECTL), "get", "node", NODE, "--watch",
          "-o", r'jsonpath={.metadata.labels.nvidia\.com/mig\.config\.state}{"\n"}'],
@@ -300,8 +302,9 @@ def mig_states(cluster: Cluster, until: set[str], timeout: float) -> list[str]:
             state = line.strip()
             if state and (not states or states[-1] != state):
                 states.append(state)
-            if state in until:
+            if listed.is_set() and state in until:
                 break
+            listed.set()
     finally:
         timer.cancel()
         watch.kill()
@@ -319,9 +322,11 @@ def test_a_mig_label_drives_the_layout_and_the_kubelet_advertises_mig_devices(cl
     cluster.kubectl("rollout", "status", "-n", NAMESPACE, "daemonset/gpu-node-agent", "--timeout=180s", timeout=200)
 
     states: list[str] = []
-    watcher = threading.Thread(target=lambda: states.extend(mig_states(cluster, {"success", "failed"}, 180)))
+    listed = threading.Event()
+    watcher = threading.Thread(
+        target=lambda: states.extend(mig_states(cluster, {"success", "failed"}, 180, listed)))
     watcher.start()
-    time.sleep(1)
+    assert listed.wait(30), "kubectl get --watch showed no Node"
     cluster.kubectl("label", "node", NODE, "nvidia.com/mig.config=all-1g.10gb", "--overwrite")
     watcher.join()
     assert states[-2:] == ["pending", "success"], states
@@ -332,9 +337,10 @@ def test_a_mig_label_drives_the_layout_and_the_kubelet_advertises_mig_devices(cl
 
     # A layout made for another GPU (A100 40GB profiles) cannot be made on an H100: failed, with its reason.
     states.clear()
-    watcher = threading.Thread(target=lambda: states.extend(mig_states(cluster, {"failed"}, 120)))
+    listed = threading.Event()
+    watcher = threading.Thread(target=lambda: states.extend(mig_states(cluster, {"failed"}, 120, listed)))
     watcher.start()
-    time.sleep(1)
+    assert listed.wait(30), "kubectl get --watch showed no Node"
     cluster.kubectl("label", "node", NODE, "nvidia.com/mig.config=all-1g.5gb", "--overwrite")
     watcher.join()
     assert states[-1] == "failed", states

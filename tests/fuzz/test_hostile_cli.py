@@ -37,6 +37,14 @@ def healthz(host: str, port: int, timeout: float) -> bytes:
         return body
 
 
+def state_version(port: int) -> int:
+    """The version of the node state the agent serves, as its /metrics says."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    [value] = [line.split()[1] for line in text.splitlines() if line.startswith("gpu_agent_state_version ")]
+    return int(float(value))
+
+
 def in_pipe(read_end: int) -> int:
     """Bytes written into a pipe and not read yet."""
     return int(struct.unpack("i", fcntl.ioctl(read_end, termios.FIONREAD, b"\0\0\0\0"))[0])
@@ -83,10 +91,15 @@ def test_a_stderr_nobody_reads_neither_stops_serving_nor_holds_sigterm(tmp_path:
             unchanged = unchanged + 1 if now == filled else 0
             filled = now
         assert filled > capacity // 2, f"the log stopped at {filled} of the pipe's {capacity} bytes"
-        for _ in range(50):  # well past what the pipe holds: about 175 KB more
+        for n in range(50):  # well past what the pipe holds: about 175 KB more
+            # Each rejection publishes a new state version (its ConfigRejected incident): one SIGHUP at a time,
+            # each taken and logged into the full pipe before the next.
+            version = state_version(port)
             agent.send_signal(signal.SIGHUP)
-            time.sleep(0.01)
-        time.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while state_version(port) <= version:
+                assert time.monotonic() < deadline, f"SIGHUP {n + 1} of 50 was not taken"
+                time.sleep(0.05)
         started = time.monotonic()
         assert healthz("127.0.0.1", port, 1) == b"ok\n"
         assert time.monotonic() - started < 1

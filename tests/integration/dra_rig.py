@@ -107,21 +107,33 @@ class ControlPlane:
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
+        """Start both; return once each has logged that it runs (its flags and config taken), or raise with the
+        end of the log of one that exited."""
         kubeconfig = str(self.apiserver.kubeconfig_path)
         gates = [f"--feature-gates={self.feature_gates}"] if self.feature_gates else []
-        self._procs.append(_spawn([
-            str(KUBE_BIN / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-            "--secure-port=0", "--v=2", *gates,
-        ], self.workdir / "kube-scheduler.log"))
-        self._procs.append(_spawn([
-            str(KUBE_BIN / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-            "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2", *gates,
-        ], self.workdir / "kube-controller-manager.log"))
-        time.sleep(0.5)
-        for proc, name in zip(self._procs, ("kube-scheduler", "kube-controller-manager"), strict=True):
-            if proc.poll() is not None:
-                log = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()[-20:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n" + "\n".join(log))
+        started = [
+            ("kube-scheduler", "Starting Kubernetes Scheduler", [
+                "--leader-elect=false", "--secure-port=0", "--v=2", *gates]),
+            ("kube-controller-manager", "Starting resource claim controller", [
+                "--leader-elect=false", "--secure-port=0", "--controllers=resourceclaim-controller", "--v=2", *gates]),
+        ]
+        for name, line, args in started:
+            log_path = self.workdir / f"{name}.log"
+            before = log_path.stat().st_size if log_path.exists() else 0
+            proc = _spawn([str(KUBE_BIN / name), f"--kubeconfig={kubeconfig}", *args], log_path)
+            self._procs.append(proc)
+
+            def running(proc: subprocess.Popen[bytes] = proc, log_path: Path = log_path, before: int = before,
+                        name: str = name, line: str = line) -> bool:
+                with log_path.open("rb") as log:
+                    log.seek(before)
+                    text = log.read().decode(errors="replace")
+                if proc.poll() is not None:
+                    tail = "\n".join(text.splitlines()[-20:])
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+                return line in text
+
+            wait_until(running, 60, f"{name} to log {line!r}")
 
     def stop(self) -> None:
         for proc in self._procs:

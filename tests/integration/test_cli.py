@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 
 from agent.simulate import StandInKubelet
-from tests.plugin_harness import short_dir
+from tests.plugin_harness import short_dir, wait_until
 
 AGENT = [sys.executable, "-m", "agent.cli"]
+
+
+async def collect_lines(stream: asyncio.StreamReader, lines: list[str]) -> None:
+    """Every line of `stream`, as it comes, into `lines`."""
+    while line := await stream.readline():
+        lines.append(line.decode().rstrip("\n"))
 
 
 def gpu_agent(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -155,6 +161,9 @@ async def test_nvidias_health_variables_ignore_and_enable_xids_in_a_running_agen
     proc = await asyncio.create_subprocess_exec(
         *AGENT, "run", *node, "--kubelet-dir", str(directory), "--no-kube", "--metrics-port", "0",
         "--config", str(tmp_path / "config.yaml"), stderr=asyncio.subprocess.PIPE, env=env)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = asyncio.create_task(collect_lines(proc.stderr, lines))
 
     def unhealthy() -> list[str]:
         return sorted(d.ID for d in kubelet.plugins["nvidia.com/gpu"].devices if d.health != "Healthy")
@@ -162,19 +171,22 @@ async def test_nvidias_health_variables_ignore_and_enable_xids_in_a_running_agen
     try:
         await kubelet.wait_for({"nvidia.com/gpu"}, 30)
         assert unhealthy() == []
-        for gpu, xid in ((2, 48), (5, 13)):  # 48 first: by the time 13 shows, 48 would have
+        # 48 first: the agent takes XIDs in order, so once GPU 5 shows unhealthy, 48 has been judged too.
+        for gpu, xid in ((2, 48), (5, 13)):
             done = gpu_agent("fault", *node, "xid", str(gpu), str(xid))
             assert done.returncode == 0, done.stderr
         async with kubelet.changed, asyncio.timeout(15):
             await kubelet.changed.wait_for(lambda: unhealthy() != [])
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: any(line.endswith(f": GPU {uuid[2]}: XID 48 ignored by policy") for line in lines),
+                         5, "the agent to log XID 48 on GPU 2 as ignored")
         assert unhealthy() == [uuid[5]]
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        await asyncio.wait_for(proc.wait(), 15)
+        await asyncio.wait_for(reader, 5)
         await kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
-    log = stderr.decode()
+    log = "\n".join(lines)
     assert "DP_DISABLE_HEALTHCHECKS=48: XIDs 48 ignored" in log
     assert "DP_ENABLE_HEALTHCHECKS= 13 : XID 13 unhealthy" in log
 

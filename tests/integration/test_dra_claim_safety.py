@@ -181,13 +181,22 @@ async def test_an_unprepare_while_the_prepare_waits_for_the_api_server_is_not_un
     node = Node(directory)
     node.api.allocate("train", "uid-a", ["gpu-0"])
     node.api.held["train"] = asyncio.Event()
-    async with node.serving() as (_, stub):
+    async with node.serving() as (plugin, stub):
+        unprepare = plugin.preparer.unprepare
+        arrived = asyncio.Event()
+
+        async def unprepare_arrived(uid: str) -> None:
+            arrived.set()  # what follows runs on until it waits for the claim, before the test goes on
+            await unprepare(uid)
+
+        plugin.preparer.unprepare = unprepare_arrived  # type: ignore[method-assign]
         preparing = asyncio.ensure_future(stub.NodePrepareResources(prepare_request(("train", "uid-a")), timeout=10))
         await asyncio.wait_for(node.api.asked.wait(), 5)  # the prepare is reading the claim
         # The pod is deleted meanwhile: the kubelet unprepares the claim.
         unpreparing = asyncio.ensure_future(
             stub.NodeUnprepareResources(unprepare_request(("train", "uid-a")), timeout=10))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(arrived.wait(), 5)
+        assert not unpreparing.done()  # it waits for the prepare
         node.api.held["train"].set()
         prepared, unprepared = await asyncio.gather(preparing, unpreparing)
     assert devices_of(prepared, "uid-a") == [("gpu-0", [f"{KIND}=claim-uid-a-gpu-0", f"{KIND}=claim-uid-a"])]

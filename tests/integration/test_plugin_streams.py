@@ -34,20 +34,38 @@ async def allocate(stub: api_pb2_grpc.DevicePluginStub, device: str) -> dict[str
     return dict(response.container_responses[0].envs)
 
 
+LIMIT_REFUSAL = (grpc.StatusCode.RESOURCE_EXHAUSTED, "ListAndWatch for nvidia.com/gpu already has 4 open streams")
+"""What the server answers a stream beyond the limit."""
+
+
+async def refusal(stub: api_pb2_grpc.DevicePluginStub) -> tuple[grpc.StatusCode, str]:
+    """How the server answers one more ListAndWatch, which it must refuse."""
+    stream = stub.ListAndWatch(api_pb2.Empty())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(stream.read(), 5)
+    return err.value.code(), err.value.details()
+
+
+async def left(rig: Rig, stream: grpc.aio.UnaryStreamCall) -> None:
+    """The client leaves `stream`; once the server has ended its side (grpc cancels the handler a moment
+    after the client's cancellation reaches it), the stream no longer counts."""
+    before = rig.open_streams()
+    stream.cancel()
+    await wait_until(lambda: rig.open_streams() == before - 1, 5, "the server to end the stream the client left")
+
+
 async def test_a_stream_beyond_the_limit_is_refused_and_calls_are_still_answered() -> None:
     async with running_agent("dgx-h100") as rig:
         ids = [d.ID for d in rig.devices()]
         async with channel(rig) as ch:
             stub = api_pb2_grpc.DevicePluginStub(ch)
             # The stand-in kubelet holds one stream already.
+            assert rig.open_streams() == 1
             streams = [stub.ListAndWatch(api_pb2.Empty()) for _ in range(STREAMS - 1)]
             for stream in streams:
                 assert await first_list(stream) == [(i, "Healthy") for i in ids]
-            refused = stub.ListAndWatch(api_pb2.Empty())
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await asyncio.wait_for(refused.read(), 5)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert err.value.details() == "ListAndWatch for nvidia.com/gpu already has 4 open streams"
+            assert rig.open_streams() == STREAMS
+            assert await refusal(stub) == LIMIT_REFUSAL
             assert await allocate(stub, ids[3]) == {"NVIDIA_VISIBLE_DEVICES": ids[3]}
 
             # Every open stream, the kubelet's too, hears of a GPU going unhealthy.
@@ -61,40 +79,15 @@ async def test_a_stream_beyond_the_limit_is_refused_and_calls_are_still_answered
             assert rig.kubelet.plugins[RESOURCE].updates == updates + 1
             assert rig.devices()[6].health == "Unhealthy"
 
-            # A client that leaves gives its place back: one more stream opens.
-            streams.pop().cancel()
+            # A client that leaves gives its place back: one more stream opens, and the one after is refused.
+            await left(rig, streams.pop())
             replacement = stub.ListAndWatch(api_pb2.Empty())
-            listed = await asyncio.wait_for(_first_when_open(stub, replacement), 5)
+            listed = await first_list(replacement)
             assert [h for _, h in listed] == ["Healthy"] * 6 + ["Unhealthy", "Healthy"]
+            assert await refusal(stub) == LIMIT_REFUSAL
             replacement.cancel()
             for stream in streams:
                 stream.cancel()
-
-
-async def _first_when_open(stub: api_pb2_grpc.DevicePluginStub,
-                           stream: grpc.aio.UnaryStreamCall) -> list[tuple[str, str]]:
-    """The first list of `stream`; while the cancelled stream's thread is still finishing (a moment), the
-    server may refuse the new one, so open it again until it is accepted."""
-    while True:
-        try:
-            return await first_list(stream)
-        except grpc.aio.AioRpcError as err:
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-            await asyncio.sleep(0.01)
-            stream = stub.ListAndWatch(api_pb2.Empty())
-
-
-async def _open_when_free(
-    stub: api_pb2_grpc.DevicePluginStub
-) -> tuple[grpc.aio.UnaryStreamCall, list[tuple[str, str]]]:
-    """A stream the server accepted (opened again while it refuses, as in _first_when_open), and its first list."""
-    while True:
-        stream = stub.ListAndWatch(api_pb2.Empty())
-        try:
-            return stream, await first_list(stream)
-        except grpc.aio.AioRpcError as err:
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-            await asyncio.sleep(0.01)
 
 
 async def test_streams_that_clients_cancel_never_use_up_the_server() -> None:
@@ -104,14 +97,14 @@ async def test_streams_that_clients_cancel_never_use_up_the_server() -> None:
             stub = api_pb2_grpc.DevicePluginStub(ch)
             for _ in range(10 * STREAMS):
                 stream = stub.ListAndWatch(api_pb2.Empty())
-                assert await _first_when_open(stub, stream) == [(ids[0], "Healthy")]
-                stream.cancel()
-            # Three at once still fit beside the kubelet's, and all of them hear of a fault.
-            streams = []
-            for _ in range(STREAMS - 1):
-                stream, listed = await _open_when_free(stub)
-                assert listed == [(ids[0], "Healthy")]
-                streams.append(stream)
+                assert await first_list(stream) == [(ids[0], "Healthy")]
+                await left(rig, stream)
+            assert rig.open_streams() == 1  # the kubelet's
+            # Three at once still fit beside the kubelet's, the limit holds, and all of them hear of a fault.
+            streams = [stub.ListAndWatch(api_pb2.Empty()) for _ in range(STREAMS - 1)]
+            for stream in streams:
+                assert await first_list(stream) == [(ids[0], "Healthy")]
+            assert await refusal(stub) == LIMIT_REFUSAL
             rig.fake.inject_xid(0, 48)
             for stream in streams:
                 response = await asyncio.wait_for(stream.read(), 5)

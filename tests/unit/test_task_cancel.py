@@ -78,10 +78,12 @@ async def test_the_telemetry_loop_stops_when_cancelled_as_its_config_changes(bac
 
 async def test_agent_stop_cancels_again_a_task_that_swallowed_its_cancellation(
         caplog: pytest.LogCaptureFixture) -> None:
+    running = asyncio.Event()
     swallowed = asyncio.Event()
 
     async def stubborn() -> None:
         try:
+            running.set()
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             swallowed.set()
@@ -89,9 +91,9 @@ async def test_agent_stop_cancels_again_a_task_that_swallowed_its_cancellation(
 
     caplog.set_level(logging.WARNING, logger="agent.daemon")
     async with running_agent("pcie-l40s-4") as rig:
-        task = asyncio.create_task(stubborn(), name="stubborn")
-        rig.agent._tasks.append(task)
-        await asyncio.sleep(0)
+        task = rig.agent.spawn("stubborn", stubborn)
+        await asyncio.wait_for(running.wait(), 5)
     assert swallowed.is_set() and task.cancelled() and rig.agent.stopped.is_set()
+    assert rig.restarts() == {}  # the cancellations were taken as a stop, not as failures
     assert [r.getMessage() for r in caplog.records if r.name == "agent.daemon"] == [
         f"task stubborn did not stop within {STOP_TASK_S:g}s of being cancelled; cancelling it again"]

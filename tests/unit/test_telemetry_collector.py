@@ -24,7 +24,7 @@ from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
 from agent.telemetry.exposition import render
 from tests.builders import exposition_samples as parse
-from tests.plugin_harness import short_dir
+from tests.plugin_harness import short_dir, wait_until
 
 
 class StandInPodResources(pr_grpc.PodResourcesListerServicer):
@@ -155,14 +155,16 @@ async def test_the_task_follows_the_switch_and_the_interval() -> None:
     async with rig(intervalSeconds=1) as r:
         task = asyncio.create_task(r.collector.run())
         try:
-            while r.collector.passes < 2:
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: r.collector.passes >= 2, 5, "two passes")
             assert len(r.scrape()["DCGM_FI_DEV_GPU_TEMP"]) == 8
             config = r.bus.current.config.model_copy(
                 update={"telemetry": r.bus.current.config.telemetry.model_copy(update={"dcgm_metrics": False})})
-            passes = r.collector.passes
             await r.bus.update(config=config)
-            await asyncio.sleep(1.5)
+            # The task's turn at the switch empties the snapshot ...
+            await wait_until(lambda: r.scrape() == {}, 5, "the family gone")
+            passes, switched_off = r.collector.passes, r.collector.snapshot
+            # ... and its next turn, an interval later, empties it again instead of making a pass.
+            await wait_until(lambda: r.collector.snapshot is not switched_off, 5, "the next turn after the interval")
             assert r.scrape() == {}
             assert r.collector.passes == passes
         finally:
