@@ -430,6 +430,17 @@ class MigSettings(_Strict):
 DRA_DRIVER_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"
 
 
+class SharedCapacity(_Strict):
+    enabled: StrictBool = False
+    """Publish each GPU that sharing.mps shares as one device that several claims share by capacity (`memory` in
+    bytes, `compute` in percent of the SMs), instead of as its replicas; each claim is made an MPS client with
+    the memory and threads it was allocated. Needs DRAConsumableCapacity on the API server and the scheduler."""
+    memory_step_mib: StrictInt = Field(default=1024, ge=1, alias="memoryStepMiB")
+    """Memory is allocated in multiples of this (the smallest share too); a request is rounded up to one."""
+    compute_step_percent: StrictInt = Field(default=1, ge=1, le=100, alias="computeStepPercent")
+    """Compute is allocated in multiples of this many percent of the SMs; a request is rounded up to one."""
+
+
 class DraSettings(_Strict):
     enabled: StrictBool = False
     """DRA mode: publish the GPUs in a ResourceSlice (resource.k8s.io/v1) instead of registering the
@@ -442,6 +453,8 @@ class DraSettings(_Strict):
     """Publish every possible MIG placement of the GPUs in MIG mode (with shared counters, where the API server
     keeps them: DRAPartitionableDevices) and create each MIG device when a claim is prepared; the MIG manager
     then refuses nvidia.com/mig.config."""
+    shared_capacity: SharedCapacity = Field(default_factory=SharedCapacity, alias="sharedCapacity")
+    """GPUs that MPS shares published as devices with consumable capacity (DRAConsumableCapacity)."""
 
     @field_validator("driver_name")
     @classmethod
@@ -550,7 +563,7 @@ def parse_config(text: str, origin: str = "config") -> AgentConfig:
         config = AgentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format(err, origin)) from err
-    collisions = _name_collisions(config)
+    collisions = _name_collisions(config) + _capacity_problems(config)
     if collisions:
         raise ConfigError(problem_lines(printable(f"{origin}: {path}: {reason}") for path, reason in collisions))
     config._without_effect = _keys_without_effect(data, origin)
@@ -595,6 +608,16 @@ def _name_collisions(config: AgentConfig) -> list[tuple[str, str]]:
             problems.append((where, f"{e.rename} is {others[e.rename]}; replicas of {e.name} need a name of their "
                                     "own"))
     return problems
+
+
+def _capacity_problems(config: AgentConfig) -> list[tuple[str, str]]:
+    """(key path, reason) where dra.sharedCapacity is on without MPS sharing: the capacity it publishes is
+    enforced by making each claim an MPS client, so only a GPU that an MPS daemon serves can be shared by it."""
+    if config.dra.shared_capacity.enabled and config.sharing.strategy != "mps":
+        return [("dra.sharedCapacity.enabled", "needs sharing.mps: a GPU shared by capacity is enforced by its MPS "
+                                               "daemon (add sharing.mps.resources for nvidia.com/gpu, or turn it "
+                                               "off)")]
+    return []
 
 
 def _keys_without_effect(data: dict[str, object], origin: str) -> tuple[str, ...]:

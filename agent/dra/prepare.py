@@ -1,6 +1,7 @@
 """NodePrepareResources and NodeUnprepareResources of the DRA kubelet plugin, whatever the gRPC version:
 `Preparer` reads each claim from the API server, keeps its results for this driver and node, applies the
-driver's opaque config (opaque.py), adds the MPS client's edits for a claim of MPS replicas, makes the MIG
+driver's opaque config (opaque.py), adds the MPS client's edits for a claim of MPS replicas or of a share of an
+MPS-shared GPU by capacity (with the memory and compute it was allocated), makes the MIG
 device of an allocated placement with dra.dynamicMig (dynamic.py), writes the claim's CDI spec and records it in
 the `ClaimStore` (claims.py); unprepare removes them. It also says which devices the prepared claims hold, for
 the MIG manager's busy check."""
@@ -19,8 +20,18 @@ from agent.dra.cdi import cdi_id, claim_device_name, claim_spec, gpu_device_name
 from agent.dra.claims import ClaimError, ClaimReader, ClaimStore, Prepared
 from agent.dra.dynamic import DynamicMig, DynamicMigError
 from agent.dra.opaque import ConfigProblem, device_env
-from agent.dra.slices import channel_name, mig_device_name, published_channels, replica_name, shared_gpus
-from agent.mps_client import mps_client
+from agent.dra.slices import (
+    COMPUTE,
+    MEMORY,
+    channel_name,
+    device_name,
+    mig_device_name,
+    published_channels,
+    quantity_value,
+    replica_name,
+    shared_gpus,
+)
+from agent.mps_client import MpsClient, mps_client, mps_client_limits
 from agent.podresources import CLAIM, DeviceHolder
 from agent.state import StateBus
 
@@ -107,6 +118,8 @@ class Preparer:
         known = self._devices()
         picked: dict[str, list[str]] = {}
         shares: set[str] = set()
+        consumed: dict[str, dict[str, int]] = {}
+        """By device allocated with consumable capacity: the capacity its results consumed, summed."""
         for result in results:
             device = str(result.get("device"))
             if device not in known:
@@ -114,11 +127,19 @@ class Preparer:
             picked.setdefault(device, []).append(str(result.get("request")))
             if result.get("shareID"):
                 shares.add(device)
+            if isinstance(result.get("consumedCapacity"), dict):
+                total = consumed.setdefault(device, {})
+                for capacity, amount in result["consumedCapacity"].items():
+                    try:
+                        total[str(capacity)] = total.get(str(capacity), 0) + quantity_value(str(amount))
+                    except ValueError:
+                        raise ClaimError(f"{where}: device {device} consumed {capacity} {amount!r}, which is not "
+                                         "a quantity") from None
         try:
             env = device_env(self.driver, (allocation.get("devices") or {}).get("config") or [], picked)
         except ConfigProblem as err:
             raise ClaimError(f"{where}: {err}") from None
-        edits = self._mps_edits(where, sorted(picked))
+        edits = self._mps_edits(where, sorted(picked), consumed)
         self._check_overlap(where, uid, sorted(picked), shares, known)
         shared = cdi_id(self.driver, claim_device_name(uid))
         prepared = [Prepared(tuple(picked[device]), self.node, device,
@@ -203,15 +224,30 @@ class Preparer:
             if released:
                 log.info("destroyed the MIG device(s) of claim %s: %s", uid, ", ".join(released))
 
-    def _mps_edits(self, where: str, devices: list[str]) -> dict[str, Any]:
-        """For a claim of MPS replicas, what its containers need to be one client of the GPU's MPS control
-        daemon (as the device plugin's Allocate gives): the daemon's pipe and log directories and /dev/shm,
-        and the client's share of the threads and the memory. A claim of replicas of two GPUs, or of replicas
-        and other devices, is refused: one client joins one daemon."""
+    def _mps_edits(self, where: str, devices: list[str], consumed: Mapping[str, Mapping[str, int]]
+                   ) -> dict[str, Any]:
+        """For a claim of MPS replicas, or of a share by capacity of an MPS-shared GPU (`consumed`: what it was
+        allocated, by device), what its containers need to be one client of the GPU's MPS control daemon (as
+        the device plugin's Allocate gives): the daemon's pipe and log directories and /dev/shm, and the
+        client's share of the threads and the memory (by capacity: the memory and compute allocated). A claim of
+        shares of two GPUs, or of shares and other devices, is refused: one client joins one daemon."""
         state = self._bus.current
         if state.config.sharing.strategy != "mps":
             return {}
         shared = shared_gpus(state)
+        by_capacity = {device_name(g): g for g in state.inventory.gpus if g.uuid in shared}
+        shares = [d for d in devices if d in by_capacity and d in consumed]
+        if shares:
+            if len(shares) > 1 or len(shares) < len(devices):
+                raise ClaimError(f"{where}: MPS shares of {len(shares)} GPU(s) and {len(devices) - len(shares)} "
+                                 "other device(s) cannot share one MPS client; ask for a share of one GPU only")
+            (name,) = shares
+            gpu = by_capacity[name]
+            memory = consumed[name].get(MEMORY)
+            client = mps_client_limits(state.config.flags.mps_root, gpu.uuid,
+                                       gpu.memory_mib if memory is None else memory // 2**20,
+                                       consumed[name].get(COMPUTE, 0))
+            return self._client_edits(client)
         replicas = {replica_name(g, n): g for g in state.inventory.gpus for n in range(shared.get(g.uuid, 0))}
         chosen = [d for d in devices if d in replicas]
         if not chosen:
@@ -221,7 +257,11 @@ class Preparer:
             raise ClaimError(f"{where}: MPS replicas of {len(gpus)} GPU(s) and {len(devices) - len(chosen)} other "
                              "device(s) cannot share one MPS client; ask for replicas of one GPU only")
         (gpu,) = gpus.values()
-        client = mps_client(state.config.flags.mps_root, gpu.uuid, gpu.memory_mib, len(chosen), shared[gpu.uuid])
+        return self._client_edits(
+            mps_client(state.config.flags.mps_root, gpu.uuid, gpu.memory_mib, len(chosen), shared[gpu.uuid]))
+
+    @staticmethod
+    def _client_edits(client: MpsClient) -> dict[str, Any]:
         return {
             "env": [f"{name}={value}" for name, value in client.env],
             "mounts": [{"hostPath": host, "containerPath": inside, "options": ["rbind", "rw"]}

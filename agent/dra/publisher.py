@@ -6,7 +6,12 @@ driver registers), and removes any other slice of this driver and node.
 Unhealthy devices are written with a device taint; the API server drops that field silently where the
 DRADeviceTaints feature gate is off, so the first write with a taint is a dry run whose answer (what the API
 server would store) is checked, and so is each write's answer: where the taints are gone, the publisher says
-so once and withdraws unhealthy devices from then on."""
+so once and withdraws unhealthy devices from then on.
+
+With dra.sharedCapacity, an MPS-shared GPU is one device with consumable capacity (allowMultipleAllocations and
+request policies), fields the API server drops as silently where DRAConsumableCapacity is off: the first time
+there is such a device, a dry run shows whether they are kept; where they are not, the publisher says so once
+and publishes the GPU's MPS replicas instead, for the rest of its run."""
 
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ checks do not line up): one LIST twice an hour or less."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 UNDECIDED, TAINTS, WITHDRAWAL = "undecided", "taints", "withdrawal"
+CAPACITY, REPLICAS = "capacity", "replicas"
+"""How an MPS-shared GPU is published with dra.sharedCapacity: one device shared by capacity, or its replicas."""
 
 
 class SliceClient(Protocol):
@@ -150,6 +157,9 @@ class SlicePublisher:
         self.health_mode = UNDECIDED
         """How unhealthy devices are published: UNDECIDED until one was, then TAINTS where the API server
         kept their device taints, WITHDRAWAL (for the rest of the agent's run) where it dropped them."""
+        self.capacity_mode = UNDECIDED
+        """With dra.sharedCapacity: UNDECIDED until an MPS-shared GPU was published, then CAPACITY where the API
+        server kept consumable capacity, REPLICAS (for the rest of the agent's run) where it dropped it."""
         self._owner: list[dict[str, Any]] | None = None
         """The slices' ownerReferences: the Node (read once; [] where the client cannot read it), so that the
         Node's deletion deletes them."""
@@ -171,8 +181,9 @@ class SlicePublisher:
         """Make the slice match `state`; returns whether anything was written. Only a check (`verify`: the first
         sync, a republish, a recheck) reads what the API server has; otherwise the slice is what this agent last
         wrote, and a state whose devices are the same costs no request."""
+        await self._decide_capacity(state)
         wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
-                             taints=self.health_mode != WITHDRAWAL)
+                             taints=self.health_mode != WITHDRAWAL, capacity=self.capacity_mode == CAPACITY)
         if len(wanted) > 1:  # more devices than one slice takes
             await self._read_owner()
             self._written = self._stored = None
@@ -202,7 +213,7 @@ class SlicePublisher:
         read = self.verify or self._stored is None
         while True:
             wanted = slice_spec(state, self.node, self.driver, 0, self._pcie_root,
-                                taints=self.health_mode != WITHDRAWAL)
+                                taints=self.health_mode != WITHDRAWAL, capacity=self.capacity_mode == CAPACITY)
             devices = copy.deepcopy(wanted["devices"])
             tainted = {d["name"] for d in devices if d.get("taints")}
             if not read and self._written is not None and self._written[1] == devices:
@@ -295,7 +306,7 @@ class SlicePublisher:
         first slice with a tainted device while the health mode is undecided."""
         while True:
             wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
-                                 taints=self.health_mode != WITHDRAWAL)
+                                 taints=self.health_mode != WITHDRAWAL, capacity=self.capacity_mode == CAPACITY)
             existing = await self._listed()
             tainted = [(n, s) for n, s in wanted if any(d.get("taints") for d in s["devices"])]
             if tainted and self.health_mode == UNDECIDED:
@@ -306,6 +317,36 @@ class SlicePublisher:
                 if not self._keeps_taints({d["name"] for d in spec["devices"] if d.get("taints")}, stored):
                     continue
             return await self._write_slices(wanted, existing)
+
+    async def _decide_capacity(self, state: NodeState) -> None:
+        """With dra.sharedCapacity, the first time an MPS-shared GPU is published: a dry run of the slice that
+        holds it shows whether the API server keeps consumable capacity (DRAConsumableCapacity); one log line
+        either way."""
+        if self.capacity_mode != UNDECIDED or not state.config.dra.shared_capacity.enabled:
+            return
+        wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root, capacity=True)
+        probe = next(((n, s, d["name"]) for n, s in wanted for d in s["devices"] if d.get("allowMultipleAllocations")),
+                     None)
+        if probe is None:
+            return  # no MPS daemon up yet: nothing to decide
+        name, spec, device = probe
+        await self._read_owner()
+        existing = await self._listed()
+        body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
+                          existing.get(name))
+        stored = await self._send(name in existing, body, dry_run=True)
+        devices = (stored.get("spec") or {}).get("devices") or []
+        kept: dict[str, Any] = next((d for d in devices if d.get("name") == device), {})
+        if kept.get("allowMultipleAllocations") and ((kept.get("capacity") or {}).get("memory") or {}).get(
+                "requestPolicy"):
+            log.info("the API server keeps consumable capacity (DRAConsumableCapacity): each GPU that MPS shares is "
+                     "one device that claims share by memory and compute")
+            self.capacity_mode = CAPACITY
+        else:
+            log.warning("the API server drops the consumable capacity of %s (the DRAConsumableCapacity feature gate "
+                        "is off): dra.sharedCapacity is off until the agent restarts; GPUs that MPS shares are "
+                        "published as their replicas", device)
+            self.capacity_mode = REPLICAS
 
     async def _listed(self) -> dict[str, dict[str, Any]]:
         """The driver's slices of this node as the API server has them, by name."""

@@ -5,7 +5,9 @@ publishes under the same names (in this driver's domain), the standard PCI attri
 NVLink cliques the link matrix shows, and the capacities `memory` and `multiprocessors`; per MIG device of a
 MIG-enabled GPU a device named gpu-<index>-mig-<gi>-<ci> with its profile, parent and placement, its GPU's
 model, driver and topology attributes, and its memory and engines; a GPU the sharing config shares
-(time-slicing, or MPS once the GPU's daemon is up) is published as its N replicas, gpu-<index>-replica-<n>.
+(time-slicing, or MPS once the GPU's daemon is up) is published as its N replicas, gpu-<index>-replica-<n>, or
+with dra.sharedCapacity, where the API server keeps consumable capacity, an MPS-shared GPU as one device that
+several claims share by its `memory` and `compute` capacities (allowMultipleAllocations, with request policies).
 Every device of a GPU attached to a multi-node NVLink fabric carries its `clique` (<cluster UUID>.<clique ID>).
 With imex.channelIDs, each IMEX channel whose device node the node has is a device of its own, channel-<id>, as
 NVIDIA's DRA driver names it. The devices of unhealthy GPUs and of GPUs whose MIG layout is changing are left
@@ -15,9 +17,11 @@ instead.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Protocol
 
 from agent.inventory import GPU_RESOURCE, Resource, mps_shared_gpus, plan
@@ -361,21 +365,80 @@ def mig_device(gpu: GpuInfo, mig: MigInfo, state: NodeState, cliques: Cliques, p
     return {"name": mig_device_name(mig), "attributes": attributes, "capacity": capacity}
 
 
+MEMORY, COMPUTE = "memory", "compute"
+"""The capacities a GPU shared by capacity offers: bytes of memory, percent of the SMs."""
+
+_SUFFIXES: dict[str, int | Fraction] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+             "m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_value(text: str) -> int:
+    """A Kubernetes quantity ("20Gi", "25", "21474836480", "1.5G", "1e3") as a whole number, rounded up;
+    ValueError for text that is not one."""
+    found = re.fullmatch(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E))?",
+                         text.strip())
+    if found is None:
+        raise ValueError(f"{text!r} is not a quantity")
+    number, exponent, suffix = found.groups()
+    scale = Fraction(f"1{exponent}") if exponent else Fraction(_SUFFIXES[suffix] if suffix else 1)
+    return math.ceil(Fraction(number) * scale)
+
+
+def capacity_gpus(state: NodeState, capacity: bool) -> set[str]:
+    """The GPUs published as one device shared by capacity: with `capacity` (dra.sharedCapacity on and kept by
+    the API server), those MPS shares."""
+    if not capacity or not state.config.dra.shared_capacity.enabled:
+        return set()
+    return {g.uuid for g, _ in mps_shared_gpus(state)}
+
+
+def capacity_device(gpu: GpuInfo, state: NodeState, cliques: Cliques, pcie_root: PcieRootLookup) -> dict[str, Any]:
+    """An MPS-shared GPU as one device that several claims share (allowMultipleAllocations): the GPU's attributes
+    with `type` shared and `sharing` mps, and the capacities `memory` (the GPU's, in steps of
+    dra.sharedCapacity.memoryStepMiB from one step; a claim that does not ask gets all of it that the steps
+    reach) and `compute` (100, percent of the SMs, in steps of computeStepPercent; a claim that does not ask
+    consumes none and gets no thread limit). The rest of the GPU's capacities are left out: claims do not
+    consume them."""
+    settings = state.config.dra.shared_capacity
+    whole = gpu_device(gpu, state, cliques, pcie_root)
+    step = max(1, min(settings.memory_step_mib, gpu.memory_mib // 2))  # the API wants min + step <= value
+    attributes = {**whole["attributes"], "type": {"string": "shared"}, "sharing": {"string": "mps"}}
+    capacity = {
+        MEMORY: {"value": mib_quantity(gpu.memory_mib), "requestPolicy": {
+            "default": mib_quantity(gpu.memory_mib // step * step),
+            "validRange": {"min": mib_quantity(step), "step": mib_quantity(step)}}},
+        COMPUTE: {"value": "100", "requestPolicy": {
+            "default": "0", "validRange": {"min": "0", "step": str(settings.compute_step_percent)}}},
+    }
+    return {"name": device_name(gpu), "attributes": attributes, "capacity": capacity,
+            "allowMultipleAllocations": True}
+
+
 def slice_name(node: str, driver: str) -> str:
     """The slice's object name: the node and the driver, a DNS subdomain of at most 253 characters."""
     return f"{node}-{driver}"[:253].rstrip("-.")
 
 
 def slice_spec(state: NodeState, node: str, driver: str, generation: int,
-               pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False) -> dict[str, Any]:
+               pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False,
+               capacity: bool = False) -> dict[str, Any]:
     """The spec of the node's one ResourceSlice for `state`, at pool generation `generation`. With `taints`
     (the API server keeps device taints: DRADeviceTaints) the devices of unhealthy GPUs stay in the slice
-    with a taint; without, they are left out."""
+    with a taint; without, they are left out. With `capacity` (the API server keeps consumable capacity:
+    DRAConsumableCapacity) and dra.sharedCapacity, an MPS-shared GPU is one device shared by capacity rather
+    than its replicas."""
     cliques = nvlink_cliques(topology_of(state.inventory))
     shared = shared_gpus(state)
-    devices = [*((g, d) for g in published_gpus(state, taints)
-                 for d in (replica_devices(g, shared[g.uuid], state, cliques, pcie_root) if g.uuid in shared
-                           else [gpu_device(g, state, cliques, pcie_root)])),
+    by_capacity = capacity_gpus(state, capacity)
+
+    def of_gpu(g: GpuInfo) -> list[dict[str, Any]]:
+        if g.uuid in by_capacity:
+            return [capacity_device(g, state, cliques, pcie_root)]
+        if g.uuid in shared:
+            return replica_devices(g, shared[g.uuid], state, cliques, pcie_root)
+        return [gpu_device(g, state, cliques, pcie_root)]
+
+    devices = [*((g, d) for g in published_gpus(state, taints) for d in of_gpu(g)),
                *((g, mig_device(g, m, state, cliques, pcie_root)) for g, m in published_migs(state, taints))]
     for gpu, device in devices:
         if found := health_taints(state.gpu_health(gpu.uuid), driver):
@@ -411,11 +474,12 @@ def split_slice(name: str, spec: dict[str, Any]) -> list[tuple[str, dict[str, An
 
 
 def pool_slices(state: NodeState, node: str, driver: str, generation: int,
-                pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False
+                pcie_root: PcieRootLookup = lambda bus_id: None, taints: bool = False, capacity: bool = False
                 ) -> list[tuple[str, dict[str, Any]]]:
     """The node's slices for `state` (slice_spec split at the API's limits, split_slice), each with
     resourceSliceCount the number of them."""
-    found = split_slice(slice_name(node, driver), slice_spec(state, node, driver, generation, pcie_root, taints))
+    found = split_slice(slice_name(node, driver),
+                        slice_spec(state, node, driver, generation, pcie_root, taints, capacity))
     for _, spec in found:
         spec["pool"]["resourceSliceCount"] = len(found)
     return found
