@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,12 +25,14 @@ from dra_rig import (
     DRIVER,
     NAMESPACE,
     ControlPlane,
+    GatedApiServer,
     allocated,
     claim_of_pod,
     control_plane,
     create_claim,
     create_pod,
     dra_agent,
+    gated_apiserver,
     setup_cluster,
     slices_of,
     unschedulable,
@@ -53,6 +56,45 @@ def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) ->
     setup_cluster(apiserver)
     with control_plane(apiserver, tmp_path_factory.mktemp("control-plane")) as plane:
         yield plane
+
+
+@pytest.fixture(scope="module")
+def without_capacity(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops consumable capacity (DRAConsumableCapacity off), whatever its release's default."""
+    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), "DRAConsumableCapacity=false") as rig:
+        setup_cluster(rig)
+        yield rig
+
+
+def said_by_publisher(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "agent.dra.publisher" and r.levelno == level]
+
+
+def mps_config(root: Path) -> str:
+    """MPS for GPU 0 in 4 replicas, with the stand-in control program as the node's nvidia-cuda-mps-control."""
+    driver_root, mps_root = root / "driver", root / "mps"
+    (driver_root / "usr" / "bin").mkdir(parents=True)
+    shutil.copy(MPS_STAND_IN, driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
+    return (f"flags: {{mpsRoot: {mps_root}, plugin: {{containerDriverRoot: {driver_root}}}}}\n"
+            "sharing: {mps: {resources: [{name: nvidia.com/gpu, replicas: 4, devices: [0]}]}}\n")
+
+
+def stop_mps_daemons(mps_root: Path) -> None:
+    for log in mps_root.glob("*/log/control.log"):
+        for line in log.read_text().splitlines():
+            if line.startswith("started pid="):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[1].removeprefix("pid=")), signal.SIGKILL)
+
+
+async def gpu0_published(apiserver: ApiServer, node: str) -> dict[str, dict[str, Any]]:
+    """The node's devices once GPU 0 is in its slice (its MPS daemon up), whole or as replicas."""
+    while True:
+        found = await asyncio.to_thread(slices_of, apiserver, node)
+        devices = {d["name"]: d for d in found[0]["spec"]["devices"]} if found else {}
+        if "gpu-0" in devices or "gpu-0-replica-0" in devices:
+            return devices
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -92,14 +134,12 @@ def delete_pod_and_claim(apiserver: ApiServer, name: str) -> None:
     wait_until(gone, 30, f"claim {name} to be deleted")
 
 
+@pytest.mark.matrix  # 1.35 has DRAConsumableCapacity off: there the fallback is what is checked
 async def test_claims_share_an_mps_gpu_by_memory_and_compute_with_exactly_their_limits(
-        apiserver: ApiServer, scheduler: ControlPlane, root: Path) -> None:
+        apiserver: ApiServer, scheduler: ControlPlane, root: Path, caplog: pytest.LogCaptureFixture) -> None:
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-    driver_root, mps_root = root / "driver", root / "mps"
-    (driver_root / "usr" / "bin").mkdir(parents=True)
-    shutil.copy(MPS_STAND_IN, driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
-    config = (f"flags: {{mpsRoot: {mps_root}, plugin: {{containerDriverRoot: {driver_root}}}}}\n"
-              "sharing: {mps: {resources: [{name: nvidia.com/gpu, replicas: 4, devices: [0]}]}}\n")
+    caplog.set_level(logging.INFO, logger="agent.dra.publisher")
+    config, mps_root = mps_config(root), root / "mps"
     endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
     release = apiserver.release()
     capacity = on_by_default("DRAConsumableCapacity", release)
@@ -107,20 +147,13 @@ async def test_claims_share_an_mps_gpu_by_memory_and_compute_with_exactly_their_
     try:
         async with dra_agent(apiserver, kubeconfig, NODE, "a100-pcie-nvlink-pairs", root=root, config=config,
                              dra=", sharedCapacity: {enabled: true}"):
-
-            async def gpu0_published() -> dict[str, dict[str, Any]]:
-                while True:
-                    (found,) = await asyncio.to_thread(slices_of, apiserver, NODE)
-                    devices = {d["name"]: d for d in found["spec"]["devices"]}
-                    if "gpu-0" in devices or "gpu-0-replica-0" in devices:
-                        return devices
-                    await asyncio.sleep(0.1)
-
-            devices = await asyncio.wait_for(gpu0_published(), 15)
+            devices = await asyncio.wait_for(gpu0_published(apiserver, NODE), 15)
             if not capacity:  # the API server drops consumable capacity: the GPU's replicas, as without the key
                 assert list(devices) == [*(f"gpu-0-replica-{n}" for n in range(4)), "gpu-1", "gpu-2", "gpu-3"]
                 return
             assert list(devices) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+            assert "the API server keeps consumable capacity (DRAConsumableCapacity): each GPU that MPS shares is " \
+                   "one device that claims share by memory and compute" in said_by_publisher(caplog, logging.INFO)
             assert devices["gpu-0"]["allowMultipleAllocations"] is True
             assert devices["gpu-0"]["capacity"] == {
                 "memory": {"value": "80Gi", "requestPolicy": {"default": "80Gi",
@@ -193,8 +226,23 @@ async def test_claims_share_an_mps_gpu_by_memory_and_compute_with_exactly_their_
                     "CUDA_MPS_LOG_DIRECTORY=/mps/log", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
                     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=15360M"]
     finally:
-        for log in mps_root.glob("*/log/control.log"):
-            for line in log.read_text().splitlines():
-                if line.startswith("started pid="):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(line.split()[1].removeprefix("pid=")), signal.SIGKILL)
+        stop_mps_daemons(mps_root)
+
+
+async def test_where_the_api_server_drops_capacity_the_gpu_is_published_as_its_replicas(
+        without_capacity: GatedApiServer, root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    apiserver = without_capacity
+    kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    caplog.set_level(logging.INFO, logger="agent.dra.publisher")
+    try:
+        async with dra_agent(apiserver, kubeconfig, "dra-no-capacity", "a100-pcie-nvlink-pairs", root=root,
+                             config=mps_config(root), dra=", sharedCapacity: {enabled: true}"):
+            devices = await asyncio.wait_for(gpu0_published(apiserver, "dra-no-capacity"), 15)
+            assert list(devices) == [*(f"gpu-0-replica-{n}" for n in range(4)), "gpu-1", "gpu-2", "gpu-3"]
+            assert [d.get("allowMultipleAllocations") for d in devices.values()] == [None] * 7
+            assert said_by_publisher(caplog, logging.WARNING) == [
+                "the API server drops the consumable capacity of gpu-0 (the DRAConsumableCapacity feature gate is "
+                "off): dra.sharedCapacity is off until the agent restarts; GPUs that MPS shares are published as "
+                "their replicas"]
+    finally:
+        stop_mps_daemons(root / "mps")
