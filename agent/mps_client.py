@@ -43,14 +43,13 @@ def mps_client(root: PurePath, gpu_uuid: str, memory_mib: int, share: int, repli
 
 def mps_client_limits(root: PurePath, gpu_uuid: str, memory_mib: int, threads_percent: int) -> MpsClient:
     """The edits for a client of GPU `gpu_uuid` limited to `memory_mib` of pinned device memory and
-    `threads_percent` of its threads (0: no thread limit, the variable is not set), whose daemon's directories
-    are under `root` (flags.mpsRoot)."""
+    `threads_percent` of its threads (both set in the client's environment, over the daemon's defaults), whose
+    daemon's directories are under `root` (flags.mpsRoot)."""
     pipe, log = MPS_CONTAINER_ROOT / "pipe", MPS_CONTAINER_ROOT / "log"
-    threads = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(threads_percent)),) if threads_percent > 0 else ()
     return MpsClient(
         env=(("CUDA_MPS_PIPE_DIRECTORY", str(pipe)),
              ("CUDA_MPS_LOG_DIRECTORY", str(log)),
-             *threads,
+             ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(threads_percent)),
              ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", f"0={memory_mib}M")),
         mounts=((str(pipe), str(mps_pipe_dir(root, gpu_uuid))),
                 (str(log), str(mps_log_dir(root, gpu_uuid))),

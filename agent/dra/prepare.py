@@ -246,7 +246,7 @@ class Preparer:
             memory = consumed[name].get(MEMORY)
             client = mps_client_limits(state.config.flags.mps_root, gpu.uuid,
                                        gpu.memory_mib if memory is None else memory // 2**20,
-                                       consumed[name].get(COMPUTE, 0))
+                                       consumed[name].get(COMPUTE, 0) or 100)  # none asked: no thread limit
             return self._client_edits(client)
         replicas = {replica_name(g, n): g for g in state.inventory.gpus for n in range(shared.get(g.uuid, 0))}
         chosen = [d for d in devices if d in replicas]

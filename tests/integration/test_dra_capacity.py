@@ -195,8 +195,9 @@ async def test_claims_share_an_mps_gpu_by_memory_and_compute_with_exactly_their_
                     spec = json.loads((root / "cdi" / f"{DRIVER}-claim-{uid}.json").read_text())
                     assert spec["devices"][-1]["containerEdits"] == {
                         "env": [f"NVIDIA_VISIBLE_DEVICES={GPU0}", "CUDA_MPS_PIPE_DIRECTORY=/mps/pipe",
-                                "CUDA_MPS_LOG_DIRECTORY=/mps/log",
-                                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"],  # 20Gi; no compute asked: no limit
+                                # No compute asked for: all the threads, over the daemon's default of 100/4.
+                                "CUDA_MPS_LOG_DIRECTORY=/mps/log", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100",
+                                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"],  # 20Gi
                         "mounts": mounts}
 
                 # The first claim ends: unprepared, its CDI spec gone, its memory free for a claim that asks for
