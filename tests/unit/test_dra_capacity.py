@@ -3,18 +3,22 @@ device in the ResourceSlice, quantities as the API server writes them, and the M
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 from pathlib import PurePosixPath
+from typing import Any
 
 import pytest
 
 from agent.config import ConfigError, parse_config
+from agent.dra.publisher import SlicePublisher
 from agent.dra.slices import quantity_value, slice_spec
 from agent.mps_client import mps_client, mps_client_limits
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
-from agent.state import NodeState
+from agent.state import NodeState, StateBus
 
 DRIVER = "gpu.gpu-node-agent.io"
 MPS_GPU_0 = "sharing: {mps: {resources: [{name: nvidia.com/gpu, replicas: 4, devices: [0]}]}}\n"
@@ -134,3 +138,70 @@ def test_an_mps_client_by_capacity_gets_exactly_its_limits() -> None:
     # Replicas as before: 1 of 4 on 81920 MiB.
     assert mps_client(root, "GPU-x", 81920, 1, 4).env[2:] == (
         ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"), ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=20480M"))
+
+
+class StoredSlices:
+    """A stand-in for the API server's ResourceSlices that keeps what is written, dropping consumable capacity
+    (allowMultipleAllocations, requestPolicy) unless `keeps_capacity`, as the DRAConsumableCapacity gate decides;
+    each write recorded as (verb, dry run)."""
+
+    def __init__(self, keeps_capacity: bool) -> None:
+        self.keeps_capacity = keeps_capacity
+        self.stored: dict[str, dict[str, Any]] = {}
+        self.writes: list[tuple[str, bool]] = []
+
+    def _store(self, verb: str, body: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+        self.writes.append((verb, dry_run))
+        kept = copy.deepcopy(body)
+        if not self.keeps_capacity:
+            for device in kept["spec"]["devices"]:
+                device.pop("allowMultipleAllocations", None)
+                for capacity in (device.get("capacity") or {}).values():
+                    capacity.pop("requestPolicy", None)
+        if not dry_run:
+            kept["metadata"] = {**kept["metadata"], "resourceVersion": str(len(self.writes))}
+            self.stored[kept["metadata"]["name"]] = kept
+        return kept
+
+    async def get(self, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.stored.get(name))
+
+    async def create(self, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        return self._store("create", body, dry_run)
+
+    async def replace(self, name: str, body: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        return self._store("replace", body, dry_run)
+
+    async def delete(self, name: str) -> None:
+        self.stored.pop(name, None)
+
+    async def list(self, node: str, driver: str) -> list[dict[str, Any]]:
+        return list(self.stored.values())
+
+
+@pytest.mark.parametrize(("keeps", "mode", "names"), [
+    (True, "capacity", ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]),
+    (False, "replicas", ["gpu-0-replica-0", "gpu-0-replica-1", "gpu-0-replica-2", "gpu-0-replica-3",
+                         "gpu-1", "gpu-2", "gpu-3"]),
+])
+async def test_one_dry_run_decides_whether_the_gpu_is_shared_by_capacity(
+        keeps: bool, mode: str, names: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    state = node("a100-pcie-nvlink-pairs", f"{MPS_GPU_0}dra: {{enabled: true, sharedCapacity: {{enabled: true}}}}\n")
+    api = StoredSlices(keeps_capacity=keeps)
+    publisher = SlicePublisher(api, StateBus(state), "n", DRIVER, pcie_root=lambda bus_id: None)
+    caplog.set_level(logging.INFO, logger="agent.dra.publisher")
+    assert await publisher.sync(state)
+    assert publisher.capacity_mode == mode
+    assert api.writes == [("create", True), ("create", False)]  # the dry run, then the slice
+    (stored,) = api.stored.values()
+    assert [d["name"] for d in stored["spec"]["devices"]] == names
+    said = [r.getMessage() for r in caplog.records if "consumable" in r.getMessage()]
+    assert len(said) == 1
+    # Decided once: the slice deleted (as the kubelet does at registration) is written again with no dry run.
+    api.stored.clear()
+    publisher.republish()
+    publisher.verify = True
+    assert await publisher.sync(state)
+    assert api.writes[2:] == [("create", False)]
+    assert [d["name"] for d in api.stored[stored["metadata"]["name"]]["spec"]["devices"]] == names
+    assert len([r for r in caplog.records if "consumable" in r.getMessage()]) == 1
