@@ -612,3 +612,12 @@ def test_the_checker_finds_test_modules_imported_by_tests(tmp_path: Path) -> Non
 
 def test_no_test_module_or_benchmark_imports_a_test_module() -> None:
     assert imports_of_test_modules(REPO) == []
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    # The test directories are not packages: pytest imports each test file by its bare name, and a second file of
+    # the same name in another directory fails the whole run's collection ("import file mismatch").
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
