@@ -12,12 +12,12 @@ cd "$(dirname "$0")/.."
 repo_root=$PWD
 # shellcheck source=hack/testbin/release.sh
 source hack/testbin/release.sh
+# Each stage ends with its wall time and the CPU its processes used (user and system, children included).
 stage() {
   local name=$1; shift
-  local t0=$SECONDS
   echo "==> $name"
-  "$@"
-  echo "==> $name: $((SECONDS - t0))s"
+  local TIMEFORMAT="==> $name: %0Rs (CPU %0Us user, %0Ss system)"
+  time "$@"
 }
 # pytest in parallel workers (pytest-xdist), each test file whole on one worker so that a module's rig is started
 # once: most of the suite waits on processes, sockets and timers rather than computing, so more workers than cores
