@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest; each pytest stage
-# ends with its 25 slowest tests (--durations=25).
+# The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest beside the
+# end-to-end tests; each pytest stage ends with its 25 slowest tests (--durations=25).
 #
 # On the Kubernetes release KUBE (1.35, 1.36, 1.37; default the newest). Without KUBE it then runs the tests that
 # depend on the release (the pytest marker `matrix`) once more on the oldest supported release.
@@ -19,6 +19,27 @@ stage() {
   local TIMEFORMAT="==> $name: %0Rs (CPU %0Us user, %0Ss system)"
   time "$@"
 }
+# Two stages side by side: the end-to-end tests wait on a real kubelet, containerd and pods most of the time, so
+# they run beside the rest of pytest (and the oldest release's cluster tests beside its rig tests). The stage in
+# the background keeps its output in a file, printed whole once both have ended; the run fails if either failed.
+side_by_side_logs=()
+trap 'rm -f "${side_by_side_logs[@]}"' EXIT
+side_by_side() {  # side_by_side "<background stage>" <its command...> -- "<foreground stage>" <its command...>
+  local background=$1; shift
+  local command=()
+  while [[ $1 != -- ]]; do command+=("$1"); shift; done
+  shift
+  local log
+  log=$(mktemp)
+  side_by_side_logs+=("$log")
+  stage "$background" "${command[@]}" >"$log" 2>&1 &
+  local pid=$! status=0 background_status=0
+  stage "$@" || status=$?
+  wait "$pid" || background_status=$?
+  cat "$log"
+  ((status == 0 && background_status == 0))
+}
+
 # pytest in parallel workers (pytest-xdist), each test file whole on one worker so that a module's rig is started
 # once: most of the suite waits on processes, sockets and timers rather than computing, so more workers than cores
 # pay. The files go out longest first by the last run's times (tests/conftest.py), not by their number of tests.
@@ -34,9 +55,10 @@ oldest=$(head -n1 <<<"$releases")
 matrix() {
   local r=$1
   stage "Kubernetes $r: test rig" env KUBE="$r" hack/testbin.sh
-  stage "Kubernetes $r: the tests that depend on the release (-m matrix)" env KUBE="$r" \
-    GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
-  stage "Kubernetes $r: e2e that depends on the release (-m matrix)" env KUBE="$r" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e
+  side_by_side "Kubernetes $r: e2e that depends on the release (-m matrix)" \
+      env KUBE="$r" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e -- \
+    "Kubernetes $r: the tests that depend on the release (-m matrix)" env KUBE="$r" \
+      GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
 }
 
 if [[ ${1:-} == --matrix ]]; then
@@ -56,8 +78,9 @@ if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
 # The fuzz tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
-stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 --ignore=tests/e2e
-stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q --durations=25 tests/e2e
+side_by_side "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q --durations=25 tests/e2e -- \
+  "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 \
+    --ignore=tests/e2e
 if [[ -z ${KUBE:-} && $oldest != "$release" ]]; then
   echo "==> Kubernetes $oldest (the oldest supported release): the tests that depend on the release"
   matrix "$oldest"
