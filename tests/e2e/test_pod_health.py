@@ -52,6 +52,13 @@ def one_resource(name: str, resource_id: str, health: str) -> list[dict[str, Any
     return [{"name": name, "resources": [{"resourceID": resource_id, "health": health}]}]
 
 
+COLUMNS = ("NAME:.metadata.name,CONTAINER:.status.containerStatuses[*].name,"
+           "RESOURCE:.status.containerStatuses[*].allocatedResourcesStatus[*].name,"
+           "ID:.status.containerStatuses[*].allocatedResourcesStatus[*].resources[*].resourceID,"
+           "HEALTH:.status.containerStatuses[*].allocatedResourcesStatus[*].resources[*].health")
+"""What docs/operations.md gives operators to see a pod's devices and their health."""
+
+
 def wait_running(cluster: Cluster, pod: str) -> None:
     eventually(lambda: cluster.get("pod", "-n", "default", pod)["status"].get("phase") == "Running", 90,
                f"pod {pod} Running")
@@ -67,6 +74,10 @@ def follow_health(cluster: Cluster, pod: str, name: str, resource_id: str, gpu: 
     eventually(lambda: allocated_status(cluster, pod) == unhealthy, 60, f"{resource_id} Unhealthy in {pod}'s status",
                interval=0.1)
     TIMES[f"{mode}: XID {XID} injected -> Unhealthy in the pod's status"] = time.monotonic() - injected
+    table = cluster.kubectl("get", "pod", "-n", "default", pod, "-o", f"custom-columns={COLUMNS}")
+    print(table, cluster.kubectl("describe", "pod", "-n", "default", pod), sep="\n")
+    assert [line.split() for line in table.splitlines()] == [
+        ["NAME", "CONTAINER", "RESOURCE", "ID", "HEALTH"], [pod, "main", name, resource_id, "Unhealthy"]], table
     eventually(lambda: allocated_status(cluster, pod) == healthy, 90,
                f"{resource_id} Healthy again in {pod}'s status", interval=0.1)
     TIMES[f"{mode}: XID {XID} injected -> Healthy again in the pod's status"] = time.monotonic() - injected
