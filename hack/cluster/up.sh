@@ -82,7 +82,10 @@ bring_up() {
     mkdir -p /run/cdi
     start_daemon containerd "$testbin_dir/containerd" --config "$run_dir/containerd/config.toml"
 
-    local pki=$run_dir/pki
+    local pki=$run_dir/pki gates
+    # The gates the release leaves off (lib.sh, cluster_gates); the kubelet gets the same (kubelet.sh).
+    gates=$(gates_off_by_default "$kube_bin_dir/kube-apiserver")
+    [[ -z $gates ]] || clog "kube-apiserver and kubelet with --feature-gates=$gates: off by default in $cluster_release"
     wait_for 30 "etcd" in_netns curl -fsS --max-time 1 http://127.0.0.1:2379/health
     start_daemon kube-apiserver "$kube_bin_dir/kube-apiserver" \
         --bind-address=0.0.0.0 --advertise-address="$node_ip" --secure-port="$apiserver_port" \
@@ -97,7 +100,8 @@ bring_up() {
         --service-cluster-ip-range="$service_cidr" \
         --authorization-mode=Node,RBAC \
         --enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy \
-        --endpoint-reconciler-type=lease --allow-privileged=true --profiling=false --v=1
+        --endpoint-reconciler-type=lease --allow-privileged=true --profiling=false \
+        ${gates:+"--feature-gates=$gates"} --v=1
     wait_for 60 "kube-apiserver /readyz" apiserver_ready
     start_daemon kube-controller-manager "$kube_bin_dir/kube-controller-manager" \
         --kubeconfig="$pki/kube-controller-manager.kubeconfig" \
