@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cluster import HACK, PRESET, REPO, RUN_DIR, TIMES, Cluster
+from dra_mode import dra_mode
 
 TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
 
@@ -109,3 +110,10 @@ def cluster() -> Iterator[Cluster]:
     assert down.returncode == 0, f"hack/cluster/down.sh failed:\n{down.stderr[-4000:]}"
     changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     assert not changed, f"cluster-down left the machine changed: {changed}"
+
+
+@pytest.fixture(scope="module")
+def dra_node(cluster: Cluster) -> Iterator[Cluster]:
+    """The node in DRA mode for the module's tests, then back in device-plugin mode with nothing of DRA mode left
+    (dra_mode.py)."""
+    yield from dra_mode(cluster)

@@ -11,103 +11,33 @@ CDI specs name as host paths and containerd creates in the containers."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import BUSYBOX, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
+from cluster import BUSYBOX, NAMESPACE, NODE, TIMES, Cluster, eventually
+from dra_mode import (
+    CDI_DIR,
+    CHECKPOINT,
+    DRIVER,
+    KUBELET,
+    NVIDIA_MAJOR,
+    PLUGIN_DIR,
+    REGISTRY,
+    TEMPLATE,
+    agent_log,
+    agent_uid,
+    dra_socket,
+    preset_gpus,
+    registration_socket,
+    rolled_out,
+    sockets,
+    the_slice,
+)
 
 from tests.releases import on_by_default, release_name
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.matrix]
-
-DRIVER = "gpu.gpu-node-agent.io"
-SLICE = f"{NODE}-{DRIVER}"
-TEMPLATE = REPO / "deployments" / "dra" / "examples" / "two-gpus-one-nvlink-domain.yaml"
-KUBELET = Path("/var/lib/kubelet")
-REGISTRY = KUBELET / "plugins_registry"
-PLUGIN_DIR = KUBELET / "plugins" / DRIVER
-CHECKPOINT = KUBELET / "plugins" / DRIVER / "checkpoint.json"
-CDI_DIR = Path("/var/run/cdi")
-NVIDIA_MAJOR = 195
-"""The NVIDIA driver's character device major (/proc/devices: nvidia-frontend), which the stand-ins have."""
-
-
-def preset_gpus() -> list[dict[str, Any]]:
-    """The preset's GPUs by index, as `gpu-agent inspect` shows them."""
-    out = subprocess.run([str(REPO / ".venv" / "bin" / "gpu-agent"), "inspect", "--nvml", f"mock:{PRESET}", "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    gpus: list[dict[str, Any]] = sorted(json.loads(out)["gpus"], key=lambda g: g["index"])
-    return gpus
-
-
-def the_slice(cluster: Cluster) -> Any:
-    return cluster.get("resourceslice", SLICE)
-
-
-def node_slices(cluster: Cluster) -> list[str]:
-    items = cluster.get("resourceslices", "--field-selector", f"spec.nodeName={NODE}")["items"]
-    return [s["metadata"]["name"] for s in items]
-
-
-def agent_log(cluster: Cluster, pod: str | None = None) -> str:
-    return cluster.kubectl("logs", "-n", NAMESPACE, pod or cluster.agent_pod())
-
-
-def agent_uid(cluster: Cluster, pod: str | None = None) -> str:
-    """The agent Pod's UID, which names its DRA sockets (POD_UID, from the Component deployments/dra/mode)."""
-    uid: str = cluster.get("pod", "-n", NAMESPACE, pod or cluster.agent_pod())["metadata"]["uid"]
-    return uid
-
-
-def registration_socket(uid: str) -> Path:
-    return REGISTRY / f"{DRIVER}-{uid}-reg.sock"
-
-
-def dra_socket(uid: str) -> Path:
-    return PLUGIN_DIR / f"dra-{uid}.sock"
-
-
-def sockets(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_socket()) if folder.exists() else []
-
-
-def rolled_out(cluster: Cluster) -> None:
-    cluster.kubectl("rollout", "status", "-n", NAMESPACE, "daemonset/gpu-node-agent", "--timeout=120s", timeout=140)
-
-
-@pytest.fixture(scope="module")
-def dra_node(cluster: Cluster) -> Iterator[Cluster]:
-    """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left."""
-    assert cluster.allocatable() == "8"
-    before = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-              cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
-    started = time.monotonic()
-    cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
-    try:
-        rolled_out(cluster)
-        eventually(lambda: len(the_slice(cluster)["spec"]["devices"]) == 8, 60, "the node's ResourceSlice")
-        TIMES["DRA mode applied -> ResourceSlice with 8 GPUs"] = time.monotonic() - started
-        yield cluster
-    finally:
-        back = time.monotonic()
-        # docs/dra.md, going back: the device-plugin DaemonSet and config again, the DRA objects deleted.
-        cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
-        cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
-        rolled_out(cluster)
-        eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
-        TIMES["device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
-    # The DaemonSet's pods and the config exactly as before: no DRA mount, no dra key.
-    after = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-             cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
-    assert after == before
-    assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
-    # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
-    eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
-    TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
 
 
 def test_the_kubelet_registered_the_dra_plugin_and_the_slice_holds_the_eight_gpus(dra_node: Cluster) -> None:

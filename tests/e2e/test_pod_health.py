@@ -17,17 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_dra
 from cluster import BUSYBOX, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually, gpu_pod
+from dra_mode import DRIVER
 
 from tests.releases import on_by_default, release_name
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.matrix]
 
-dra_node = test_dra.dra_node
-"""The node in DRA mode for this module's DRA test, then back in device-plugin mode (as in test_dra.py)."""
-
-DRIVER = test_dra.DRIVER
 GATE = "ResourceHealthStatus"
 XID = "48"
 """A double-bit ECC error: the GPU is unhealthy at once, and healthy again after the health policy's clean samples
