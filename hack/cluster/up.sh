@@ -54,6 +54,11 @@ for s in "${kubelet_sysctls[@]}"; do printf '%s=%s\n' "$s" "$(sysctl -n "$s")"; 
 echo "$preset" >"$run_dir/preset"
 echo "$cluster_release" >"$run_dir/kube-release"
 
+# Partitionable devices (dra.dynamicMig) need DRAPartitionableDevices in the API server and the scheduler: alpha
+# and off before 1.36, beta and on from 1.36 (docs/reference/kubernetes-releases.md).
+feature_gates=()
+if (( ${cluster_release#*.} < 36 )); then feature_gates=(--feature-gates=DRAPartitionableDevices=true); fi
+
 bring_up() {
     "$here/certs.sh"
 
@@ -97,7 +102,7 @@ bring_up() {
         --service-cluster-ip-range="$service_cidr" \
         --authorization-mode=Node,RBAC \
         --enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy \
-        --endpoint-reconciler-type=lease --allow-privileged=true --profiling=false --v=1
+        --endpoint-reconciler-type=lease --allow-privileged=true --profiling=false --v=1 "${feature_gates[@]}"
     wait_for 60 "kube-apiserver /readyz" apiserver_ready
     start_daemon kube-controller-manager "$kube_bin_dir/kube-controller-manager" \
         --kubeconfig="$pki/kube-controller-manager.kubeconfig" \
@@ -110,7 +115,7 @@ bring_up() {
         --kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authentication-kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authorization-kubeconfig="$pki/kube-scheduler.kubeconfig" \
-        --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+        --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1 "${feature_gates[@]}"
 
     wait_for 30 "containerd" ctr_ version
     for image in pause busybox agent; do
