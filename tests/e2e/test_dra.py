@@ -465,6 +465,10 @@ def test_dynamic_mig_claims_survive_the_agent_killed_in_a_prepare_and_in_an_unpr
         crashed = time.monotonic()
         cluster.apply(mig_claim_pod("dra-mig-b"))
         eventually(lambda: agent_restarts(cluster, agent) == (1, 137), 60, "the agent killed in the prepare")
+        TIMES["DRA pod with a dynamic MIG claim created -> the agent killed and restarted"] = (
+            time.monotonic() - crashed)
+        eventually(lambda: "prepared claim default/" in agent_log(cluster, agent), 120, "the prepare retried")
+        TIMES["DRA pod with a dynamic MIG claim created -> the prepare retried"] = time.monotonic() - crashed
         pod_b = eventually(lambda: running("dra-mig-b"), 120, "pod B Running after the agent's restart")
         TIMES["DRA agent killed in a dynamic-MIG prepare -> the claim's pod Running"] = time.monotonic() - crashed
         uid_b = claim_uid(pod_b)
@@ -493,10 +497,13 @@ def test_dynamic_mig_claims_survive_the_agent_killed_in_a_prepare_and_in_an_unpr
         cluster.delete_pods("dra-mig-a", "dra-mig-b")
         cluster.kubectl("delete", "resourceclaimtemplate", "-n", "default", CRASH_TEMPLATE, "--ignore-not-found")
         eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60, "the claims deleted")
+        set_mig_mode(0, False)
         cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
         rolled_out(cluster)
-        set_mig_mode(0, False)
+
+    def as_before() -> bool:
+        found = (node_slices(cluster), sorted(d["name"] for d in the_slice(cluster)["spec"]["devices"]))
+        assert found == ([SLICE], [f"gpu-{i}" for i in range(8)]), found
+        return True
     # The node as the module found it: eight whole GPUs in one slice.
-    eventually(lambda: node_slices(cluster) == [SLICE] and sorted(
-        d["name"] for d in the_slice(cluster)["spec"]["devices"]) == [f"gpu-{i}" for i in range(8)], 60,
-        "the node's eight GPUs in its one slice again")
+    eventually(as_before, 60, "the node's eight GPUs in its one slice again")
