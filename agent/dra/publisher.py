@@ -360,7 +360,7 @@ class SlicePublisher:
         generation; else every slice written with the next generation, and the others deleted."""
         for name, spec in wanted:
             if name in existing:
-                _keep_taint_times(spec["devices"] or [], (existing[name].get("spec") or {}).get("devices") or [])
+                _keep_taint_times(spec.get("devices") or [], (existing[name].get("spec") or {}).get("devices") or [])
         specs = [(n, copy.deepcopy(s)) for n, s in wanted]
         versions = tuple(sorted((n, (s.get("metadata") or {}).get("resourceVersion")) for n, s in existing.items()))
         if self._slices_written == (versions, specs):

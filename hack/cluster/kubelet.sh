@@ -27,9 +27,9 @@ start() {
     # From 1.35 the kubelet refuses a cgroup v1 host unless told otherwise; on v2 the default stays.
     local cgroup_v1_line=
     [[ $(cgroup_version) == v1 ]] && cgroup_v1_line="failCgroupV1: false"
-    # The gates the release leaves off (lib.sh, cluster_gates), as `featureGates: {A: true, B: true}`.
+    # The gates the release leaves off (lib.sh, gates_off_by_default), as `featureGates: {A: true, B: true}`.
     local gates gates_line=
-    gates=$(gates_off_by_default "$kube_bin_dir/kubelet")
+    gates=$(gates_off_by_default "$kube_bin_dir/kubelet" ResourceHealthStatus)
     gates=${gates//=/: }
     [[ -n $gates ]] && gates_line="featureGates: {${gates//,/, }}"
     cat >"$run_dir/kubelet/config.yaml" <<KC

@@ -37,18 +37,21 @@ image_tag_file=$cache_dir/images/agent.tag
 
 clog() { printf 'cluster: %s\n' "$*" >&2; }
 
-# The feature gates the cluster needs that a release may leave off: ResourceHealthStatus (KEP-4680, a device's
-# health in the status of the pod that holds it; alpha and off in 1.35, beta and on from 1.36), on the kubelet and
-# the kube-apiserver (which drops the pod status field while the gate is off).
-cluster_gates=(ResourceHealthStatus)
+# The feature gates the cluster needs that a release may leave off, each turned on only in the components that need
+# it and have it off by default: ResourceHealthStatus (KEP-4680, a device's health in the status of the pod that
+# holds it; alpha and off in 1.35, beta and on from 1.36) in the kubelet and the kube-apiserver (which drops the
+# pod status field while the gate is off); DRAPartitionableDevices (dra.dynamicMig's placements with shared
+# counters; alpha and off before 1.36, beta and on from 1.36, docs/reference/kubernetes-releases.md) in the
+# kube-apiserver and the kube-scheduler.
 
-# usage: gates_off_by_default BINARY  The gates of cluster_gates that BINARY has and leaves off by default, as
-# the value of --feature-gates ("A=true,B=true"; empty when it has them all on). Asked of the binary itself: its
-# --help lists every alpha and beta gate with its default (a GA gate is not listed, and is on).
+# usage: gates_off_by_default BINARY GATE...  The GATEs that BINARY has and leaves off by default, as the value
+# of --feature-gates ("A=true,B=true"; empty when it has them all on). Asked of the binary itself: its --help
+# lists every alpha and beta gate with its default (a GA gate is not listed, and is on).
 gates_off_by_default() {
     local help gate out=
     help=$("$1" --help 2>&1) || true
-    for gate in "${cluster_gates[@]}"; do
+    shift
+    for gate in "$@"; do
         if grep -Eq "(^|[[:space:]:])$gate=true\|false \((ALPHA|BETA) - default=false\)" <<<"$help"; then
             out+=${out:+,}$gate=true
         fi

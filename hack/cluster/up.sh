@@ -82,10 +82,12 @@ bring_up() {
     mkdir -p /run/cdi
     start_daemon containerd "$testbin_dir/containerd" --config "$run_dir/containerd/config.toml"
 
-    local pki=$run_dir/pki gates
-    # The gates the release leaves off (lib.sh, cluster_gates); the kubelet gets the same (kubelet.sh).
-    gates=$(gates_off_by_default "$kube_bin_dir/kube-apiserver")
-    [[ -z $gates ]] || clog "kube-apiserver and kubelet with --feature-gates=$gates: off by default in $cluster_release"
+    local pki=$run_dir/pki gates scheduler_gates
+    # The gates the release leaves off (lib.sh, gates_off_by_default); the kubelet's in kubelet.sh.
+    gates=$(gates_off_by_default "$kube_bin_dir/kube-apiserver" ResourceHealthStatus DRAPartitionableDevices)
+    scheduler_gates=$(gates_off_by_default "$kube_bin_dir/kube-scheduler" DRAPartitionableDevices)
+    [[ -z $gates ]] || clog "kube-apiserver with --feature-gates=$gates: off by default in $cluster_release"
+    [[ -z $scheduler_gates ]] || clog "kube-scheduler with --feature-gates=$scheduler_gates: off by default in $cluster_release"
     wait_for 30 "etcd" in_netns curl -fsS --max-time 1 http://127.0.0.1:2379/health
     start_daemon kube-apiserver "$kube_bin_dir/kube-apiserver" \
         --bind-address=0.0.0.0 --advertise-address="$node_ip" --secure-port="$apiserver_port" \
@@ -114,7 +116,8 @@ bring_up() {
         --kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authentication-kubeconfig="$pki/kube-scheduler.kubeconfig" \
         --authorization-kubeconfig="$pki/kube-scheduler.kubeconfig" \
-        --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+        --bind-address=127.0.0.1 --leader-elect=false --profiling=false \
+        ${scheduler_gates:+"--feature-gates=$scheduler_gates"} --v=1
 
     wait_for 30 "containerd" ctr_ version
     for image in pause busybox agent; do

@@ -1,7 +1,8 @@
 """DRA mode on the real kubelet: the node moved to DRA mode as docs/dra.md says (deployments/dra/ and the Component
 deployments/dra/mode on top of the cluster's DaemonSet), a pod with the shipped "2 GPUs on one NVLink domain" claim
 scheduled by the real scheduler, prepared by the agent through the real kubelet and started by containerd with the
-claim's CDI devices, and the node moved back to device-plugin mode. conftest.py runs this module first, so the rest
+claim's CDI devices, dynamic MIG claims kept whole through the agent killed in the middle of a prepare and of an
+unprepare, and the node moved back to device-plugin mode. conftest.py runs this module first, so the rest
 of the e2e tests find the node as the cluster brought it up.
 
 The node has no NVIDIA driver: its GPUs' device nodes are stand-ins (hack/cluster/up.sh makes /dev/nvidia<minor>,
@@ -11,11 +12,14 @@ CDI specs name as host paths and containerd creates in the containers."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import BUSYBOX, NAMESPACE, NODE, TIMES, Cluster, eventually
+import yaml
+from cluster import BUSYBOX, MOCK_STATE, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
 from dra_mode import (
     CDI_DIR,
     CHECKPOINT,
@@ -24,10 +28,12 @@ from dra_mode import (
     NVIDIA_MAJOR,
     PLUGIN_DIR,
     REGISTRY,
+    SLICE,
     TEMPLATE,
     agent_log,
     agent_uid,
     dra_socket,
+    node_slices,
     preset_gpus,
     registration_socket,
     rolled_out,
@@ -35,6 +41,10 @@ from dra_mode import (
     the_slice,
 )
 
+from agent.nvml.backend import fake_backend
+from agent.nvml.fake import CRASH_AFTER_ENV, FakeNvml
+from agent.nvml.mig_ops import MigOps
+from agent.nvml.nodefile import load_node
 from tests.releases import on_by_default, release_name
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.matrix]
@@ -245,3 +255,187 @@ def test_a_rollout_restart_serves_claims_throughout_and_the_new_agent_takes_over
         cluster.delete_pods("dra-before", "dra-during")
         cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
         eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60, "the claims deleted")
+
+
+# --- dynamic MIG: the agent killed in the middle of a prepare and of an unprepare
+
+CRASH_AFTER = 5
+"""The agent process ends after its 5th MIG change (GPU_AGENT_FAKE_CRASH_AFTER, counted in each process): the first
+agent makes and destroys pod A's MIG device (changes 1 to 4) and dies at pod B's GPU instance (5); the restarted
+one rolls that back (1), makes B's MIG device (2, 3) and dies when B's unprepare has destroyed its compute and GPU
+instance (4, 5), before the claim is forgotten; the third one makes no change, so it never reaches 5."""
+CRASH_TEMPLATE = "crash-mig-3g40gb-4"
+CRASH_DEVICE = "gpu-0-mig-3g40gb-4"
+
+
+def set_mig_mode(gpu: int, enabled: bool) -> None:
+    """MIG mode of a GPU in the running agent's fake NVML, switched as `nvidia-smi -i <gpu> -mig 1|0` does (an H100
+    switches at once); its GPU instances destroyed first."""
+    backend = fake_backend(FakeNvml(load_node(PRESET), MOCK_STATE))
+    backend.init()
+    try:
+        ops = MigOps(backend)
+        for instance in ops.state(gpu).instances:
+            ops.destroy(gpu, instance.start)
+        ops.set_mode(gpu, enabled)
+    finally:
+        backend.shutdown()
+
+
+def gpu0_instances() -> list[tuple[int, int, int]]:
+    """GPU 0's GPU instances in the agent's fake NVML, with or without a compute instance: (placement start, size,
+    compute instances)."""
+    backend = fake_backend(FakeNvml(load_node(PRESET), MOCK_STATE))
+    backend.init()
+    try:
+        return [(i.start, i.size, i.compute_instances) for i in MigOps(backend).state(0).instances]
+    finally:
+        backend.shutdown()
+
+
+def mig_uuids() -> dict[tuple[int, int], str]:
+    """The node's MIG devices as `gpu-agent inspect` shows them: their UUID by (GPU, placement start)."""
+    out = subprocess.run([str(REPO / ".venv" / "bin" / "gpu-agent"), "inspect", "--nvml", f"mock:{PRESET}",
+                          "--mock-state", str(MOCK_STATE), "--json"],
+                         capture_output=True, text=True, check=True, timeout=30).stdout
+    return {(m["gpu"], m["placement"]["start"]): m["uuid"] for m in json.loads(out)["mig_devices"]}
+
+
+def agent_restarts(cluster: Cluster, pod: str) -> tuple[int, int | None]:
+    """The agent container's restart count and the exit status of its last run (None before a restart)."""
+    (status,) = cluster.get("pod", "-n", NAMESPACE, pod)["status"]["containerStatuses"]
+    last = status.get("lastState", {}).get("terminated")
+    return status["restartCount"], (last["exitCode"] if last else None)
+
+
+def checkpoint_claims() -> dict[str, str]:
+    return {uid: entry["state"] for uid, entry in json.loads(CHECKPOINT.read_text())["claims"].items()}
+
+
+def crash_mode(cluster: Cluster) -> list[dict[str, Any]]:
+    """The ConfigMap and DaemonSet of the cluster's DRA mode with dra.dynamicMig on and the crash hook armed in the
+    agent container's environment, to apply as the same field manager as DRA mode itself: applying DRA mode again
+    takes both back."""
+    rendered = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(RUN_DIR / "kustomize-dra"))))
+    config = next(o for o in rendered if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpu-node-agent-config")
+    settings = yaml.safe_load(config["data"]["config.yaml"])
+    settings["dra"]["dynamicMig"] = True
+    config["data"]["config.yaml"] = yaml.safe_dump(settings)
+    daemonset = next(o for o in rendered if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "gpu-node-agent")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    container["env"].append({"name": CRASH_AFTER_ENV, "value": str(CRASH_AFTER)})
+    return [config, daemonset]
+
+
+def mig_claim_pod(name: str) -> dict[str, Any]:
+    return claim_pod(name, CRASH_TEMPLATE)
+
+
+def test_dynamic_mig_claims_survive_the_agent_killed_in_a_prepare_and_in_an_unprepare(dra_node: Cluster) -> None:
+    """docs/dra.md, "What a start does": the agent container killed in the middle of a claim's prepare and of its
+    unprepare and restarted by the kubelet; the pod runs with the MIG device it was allocated, and once it is gone
+    no MIG device, CDI spec or checkpoint entry is left."""
+    cluster = dra_node
+    release = cluster.release()
+    # hack/cluster/up.sh turns the gate on where the release has it off.
+    print(f"Kubernetes {release_name(release)}: DRAPartitionableDevices "
+          f"{'on' if on_by_default('DRAPartitionableDevices', release) else 'off'} by default")
+    template = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": CRASH_TEMPLATE, "namespace": "default"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+            "deviceClassName": "mig.gpu-node-agent.io", "count": 1, "selectors": [{"cel": {"expression": (
+                f"device.attributes['{DRIVER}'].profile == '3g.40gb' && "
+                f"device.attributes['{DRIVER}'].placementStart == 4")}}]}}]}}},
+    }
+    set_mig_mode(0, True)  # dynamic MIG needs MIG mode on; the agent does not switch it
+    try:
+        started = time.monotonic()
+        for manifest in crash_mode(cluster):
+            cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(manifest))
+        rolled_out(cluster)
+        agent = cluster.agent_pod()
+        eventually(lambda: "the API server keeps shared counters" in agent_log(cluster, agent), 60,
+                   "the agent to find the shared counters kept")
+        eventually(lambda: CRASH_DEVICE in [d["name"] for d in cluster.get("resourceslice", f"{SLICE}-gpu-0")[
+            "spec"]["devices"]], 60, f"{CRASH_DEVICE} published")
+        TIMES["DRA dynamic MIG applied -> placements published"] = time.monotonic() - started
+        cluster.apply(template)
+
+        def running(pod: str) -> Any:
+            found = cluster.get("pod", "-n", "default", pod)
+            return found if found["status"].get("phase") == "Running" else None
+
+        def visible(pod: str) -> str:
+            def printed() -> str | None:
+                lines = cluster.kubectl("logs", "-n", "default", pod, check=False).splitlines()
+                return next((line for line in lines if line.startswith("VISIBLE ")), None)
+            line = eventually(printed, 60, f"{pod}'s output")
+            return str(line).removeprefix("VISIBLE ")
+
+        def claim_uid(pod: Any) -> str:
+            name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+            claim = cluster.get("resourceclaim", "-n", "default", name)
+            assert [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]] == [CRASH_DEVICE]
+            uid: str = claim["metadata"]["uid"]
+            return uid
+
+        def cdi_spec(uid: str) -> Path:
+            return CDI_DIR / f"{DRIVER}-claim-{uid}.json"
+
+        # Pod A, with no crash: its MIG device made at the allocated placement and destroyed after it.
+        cluster.apply(mig_claim_pod("dra-mig-a"))
+        pod_a = eventually(lambda: running("dra-mig-a"), 90, "pod A Running")
+        uid_a = claim_uid(pod_a)
+        assert gpu0_instances() == [(4, 4, 1)]
+        assert visible("dra-mig-a") == mig_uuids()[(0, 4)]
+        assert checkpoint_claims() == {uid_a: "PrepareCompleted"}
+        cluster.delete_pods("dra-mig-a")
+        eventually(lambda: not cdi_spec(uid_a).exists(), 60, "pod A's claim unprepared")
+        assert (gpu0_instances(), checkpoint_claims()) == ([], {})
+        assert agent_restarts(cluster, agent) == (0, None)
+
+        # Pod B: the agent dies having made the GPU instance, before its compute instance.
+        crashed = time.monotonic()
+        cluster.apply(mig_claim_pod("dra-mig-b"))
+        eventually(lambda: agent_restarts(cluster, agent) == (1, 137), 60, "the agent killed in the prepare")
+        TIMES["DRA pod with a dynamic MIG claim created -> the agent killed and restarted"] = (
+            time.monotonic() - crashed)
+        pod_b = eventually(lambda: running("dra-mig-b"), 120, "pod B Running after the agent's restart")
+        TIMES["DRA agent killed in a dynamic-MIG prepare -> the claim's pod Running"] = time.monotonic() - crashed
+        uid_b = claim_uid(pod_b)
+        claim_b = pod_b["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        # The restarted agent rolled the cut-short prepare back and the kubelet's retry made the device afresh.
+        assert (f"rolled back the prepare of claim default/{claim_b} ({uid_b}) that a restart cut short; the kubelet "
+                "prepares it again") in agent_log(cluster, agent)
+        assert gpu0_instances() == [(4, 4, 1)]
+        assert visible("dra-mig-b") == mig_uuids()[(0, 4)]
+        assert sorted(line for line in cluster.kubectl("logs", "-n", "default", "dra-mig-b").splitlines()
+                      if line.startswith("DEV ")) == [f"DEV /dev/nvidia0 character special file {NVIDIA_MAJOR:x}:0"]
+        assert checkpoint_claims() == {uid_b: "PrepareCompleted"}
+        assert cluster.agent_pod() == agent and agent_restarts(cluster, agent) == (1, 137)
+
+        # Pod B deleted: the agent dies having destroyed the MIG device, before it forgets the claim.
+        gone = time.monotonic()
+        cluster.delete_pods("dra-mig-b")
+        eventually(lambda: agent_restarts(cluster, agent) == (2, 137), 60, "the agent killed in the unprepare")
+        eventually(lambda: not cdi_spec(uid_b).exists(), 120, "pod B's claim unprepared after the agent's restart")
+        TIMES["DRA agent killed in a dynamic-MIG unprepare -> the claim unprepared"] = time.monotonic() - gone
+        assert (gpu0_instances(), checkpoint_claims(), mig_uuids()) == ([], {}, {})
+        assert [p.name for p in CDI_DIR.iterdir() if p.name.startswith(DRIVER)] == []
+        assert f"unprepared claim {uid_b}" in agent_log(cluster, agent)
+        assert cluster.agent_pod() == agent and agent_restarts(cluster, agent) == (2, 137)
+    finally:
+        cluster.delete_pods("dra-mig-a", "dra-mig-b")
+        cluster.kubectl("delete", "resourceclaimtemplate", "-n", "default", CRASH_TEMPLATE, "--ignore-not-found")
+        eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60, "the claims deleted")
+        set_mig_mode(0, False)
+        cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
+        rolled_out(cluster)
+
+    def as_before() -> bool:
+        found = (node_slices(cluster), sorted(d["name"] for d in the_slice(cluster)["spec"]["devices"]))
+        assert found == ([SLICE], [f"gpu-{i}" for i in range(8)]), found
+        return True
+    # The node as the module found it: eight whole GPUs in one slice.
+    eventually(as_before, 60, "the node's eight GPUs in its one slice again")

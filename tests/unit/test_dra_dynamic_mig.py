@@ -356,6 +356,23 @@ async def test_a_135_server_gets_the_counters_slice_first(tmp_path: Path, nvml_t
     assert "sharedCounters" not in api.stored[f"{MAIN}-gpu-0"]["spec"]
 
 
+async def test_a_135_pool_is_taken_as_written_once_its_counters_slice_exists(tmp_path: Path,
+                                                                         nvml_thread: Any) -> None:
+    """The counters slice has no devices: a later sync, and a restarted agent's first, take the pool as written."""
+    state, _, backend = mig_node()
+    api = Slices(keeps=True, git_version="v1.35.1")
+    publisher = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, DynamicMig(backend, nvml_thread,
+                                                                                    store(tmp_path)))
+    assert await publisher.sync(state)
+    assert not await publisher.sync(state)  # unchanged: nothing written
+    restarted = DynamicSlicePublisher(api, StateBus(state), "n", DRIVER, DynamicMig(backend, nvml_thread,
+                                                                                    store(tmp_path)))
+    assert not await restarted.sync(state)  # the pool as the agent left it: taken with no write
+    assert api.writes[4:] == [("replace", f"{MAIN}-counters", True)]  # the restarted agent's dry run only
+    assert {n: s["spec"]["pool"]["generation"] for n, s in api.stored.items()} == {
+        MAIN: 1, f"{MAIN}-counters": 1, f"{MAIN}-gpu-0": 1}
+
+
 async def test_the_dynamic_publisher_is_built_on_the_agents_node_client(tmp_path: Path, nvml_thread: Any) -> None:
     import functools
 
