@@ -60,6 +60,9 @@ evictionHard:
   nodefs.available: 2%
   imagefs.available: 2%
 topologyManagerPolicy: $policy
+# The kubelet calls a DRA driver's NodePrepareResources again, after a failed one, when it next syncs the pod: 15 s
+# here instead of the default minute, so that the crash tests on this cluster wait on the agent, not the kubelet.
+syncFrequency: 15s
 $cgroup_v1_line
 $gates_line
 KC

@@ -47,9 +47,13 @@ from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from tests.releases import on_by_default, release_name
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.matrix]
+pytestmark = [pytest.mark.timeout(300)]
+# Every test but the crash test depends on the release (marker `matrix`, run on the oldest release too): the
+# crash test's release-dependent part, dynamic MIG's slices with shared counters, is tested on each release by
+# integration/test_dra_dynamic_mig_cluster.py, and the kubelet's retry is the same on all.
 
 
+@pytest.mark.matrix
 def test_the_kubelet_registered_the_dra_plugin_and_the_slice_holds_the_eight_gpus(dra_node: Cluster) -> None:
     cluster = dra_node
     uid = agent_uid(cluster)
@@ -106,6 +110,7 @@ def claim_pod(name: str, template: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.matrix
 def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unprepared_after(
         dra_node: Cluster) -> None:
     cluster = dra_node
@@ -162,6 +167,7 @@ def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unpr
         cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
 
 
+@pytest.mark.matrix
 def test_an_xid_taints_or_withdraws_the_gpu_as_the_release_keeps_taints_until_it_recovers(
         dra_node: Cluster) -> None:
     """From 1.36 the API server keeps device taints by default and the agent taints the GPU in its slice; on 1.35
@@ -198,6 +204,7 @@ def test_an_xid_taints_or_withdraws_the_gpu_as_the_release_keeps_taints_until_it
                             if t["key"] == "gpu-node-agent.io/gpu-fault"], 30, "no health taint on the node")
 
 
+@pytest.mark.matrix
 def test_a_rollout_restart_serves_claims_throughout_and_the_new_agent_takes_over(dra_node: Cluster) -> None:
     """docs/dra.md, "Rolling updates": the new agent Pod starts beside the old one (maxSurge 1), serves DRA at once
     and takes the rest over once the DaemonSet stopped the old one; a pod holding a claim runs on, and a pod with a
