@@ -33,7 +33,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # DRA mode first (test_dra.py moves the node to DRA mode and back, test_pod_health.py too): the other modules then
+    # DRA mode first (test_dra.py moves the node to DRA mode and back), then test_pod_health.py: the other modules then
     # find the node as the cluster brought it up, and their MIG layouts do not reach it.
     here = Path(__file__).parent
     first = [here / "test_dra.py", here / "test_pod_health.py"]

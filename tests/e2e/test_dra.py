@@ -40,6 +40,7 @@ from dra_mode import (
     sockets,
     the_slice,
 )
+from pod_status import HEALTH_TEMPLATE, follow_health, template_claim_pod, wait_running
 
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import CRASH_AFTER_ENV, FakeNvml
@@ -336,6 +337,29 @@ def crash_mode(cluster: Cluster) -> list[dict[str, Any]]:
 
 def mig_claim_pod(name: str) -> dict[str, Any]:
     return claim_pod(name, CRASH_TEMPLATE)
+
+
+@pytest.mark.matrix
+def test_an_xid_on_a_claims_gpu_shows_in_the_pods_status_until_the_gpu_recovers(dra_node: Cluster) -> None:
+    """DRA mode: the name `claim:<the pod's name for the claim>`; the device's ID is the first CDI device ID the agent's
+    NodePrepareResources gave the kubelet for it, `<driver>/gpu=claim-<claim UID>-<device>` (docs/dra.md)."""
+    cluster = dra_node
+    cluster.apply(HEALTH_TEMPLATE)
+    try:
+        cluster.apply(template_claim_pod("health-claim"))
+        wait_running(cluster, "health-claim")
+        [claim_status] = cluster.get("pod", "-n", "default", "health-claim")["status"]["resourceClaimStatuses"]
+        claim = cluster.get("resourceclaim", "-n", "default", claim_status["resourceClaimName"])
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        device = result["device"]
+        assert (result["driver"], device.startswith("gpu-")) == (DRIVER, True), result
+        resource_id = f"{DRIVER}/gpu=claim-{claim['metadata']['uid']}-{device}"
+        follow_health(cluster, "health-claim", "claim:gpu", resource_id, int(device.removeprefix("gpu-")), "DRA")
+    finally:
+        cluster.delete_pods("health-claim")
+        cluster.kubectl("delete", "resourceclaimtemplate", "-n", "default", "health-gpu", "--ignore-not-found")
+        # The claim made from the template goes with its pod.
+        eventually(lambda: cluster.get("resourceclaims", "-n", "default")["items"] == [], 60, "the pod's claim deleted")
 
 
 def test_dynamic_mig_claims_survive_the_agent_killed_in_a_prepare_and_in_an_unprepare(dra_node: Cluster) -> None:
