@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cluster import NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
+from cluster import BUSYBOX, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
 
 DRIVER = "gpu.gpu-node-agent.io"
 SLICE = f"{NODE}-{DRIVER}"
@@ -97,3 +97,25 @@ def dra_mode(cluster: Cluster) -> Iterator[Cluster]:
     eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
     TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
 
+
+def claim_pod(name: str, template: str, claim: str = "gpus", command: str | None = None) -> dict[str, Any]:
+    """A pod holding one claim (the pod's name for it: `claim`) made from `template`; by default it prints what its
+    container was given, then sleeps."""
+    if command is None:
+        command = ('echo "VISIBLE $NVIDIA_VISIBLE_DEVICES"; '
+                   "for d in /dev/nvidia*; do [ -e \"$d\" ] && stat -c 'DEV %n %F %t:%T' \"$d\"; done; sleep 3600")
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+            "restartPolicy": "Never",
+            "resourceClaims": [{"name": claim, "resourceClaimTemplateName": template}],
+            "containers": [{
+                "name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
+                "command": ["sh", "-c", command],
+                "resources": {"claims": [{"name": claim}]},
+            }],
+        },
+    }

@@ -9,8 +9,8 @@ import subprocess
 import time
 from typing import Any
 
-from cluster import BUSYBOX, PRESET, REPO, TIMES, Cluster, eventually
-from dra_mode import DRIVER
+from cluster import PRESET, REPO, TIMES, Cluster, eventually
+from dra_mode import DRIVER, claim_pod
 
 GATE = "ResourceHealthStatus"
 XID = "48"
@@ -82,18 +82,5 @@ templates (from 1.36 it falls back to the pod's spec; docs/reference/xid-and-hea
 
 
 def template_claim_pod(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False,
-            "restartPolicy": "Never",
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": HEALTH_TEMPLATE["metadata"]["name"]}],
-            "containers": [{
-                "name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
-                "command": ["sh", "-c", "sleep 3600"],
-                "resources": {"claims": [{"name": "gpu"}]},
-            }],
-        },
-    }
+    """A pod holding one GPU from HEALTH_TEMPLATE (the pod's name for the claim: `gpu`), sleeping."""
+    return claim_pod(name, HEALTH_TEMPLATE["metadata"]["name"], claim="gpu", command="sleep 3600")

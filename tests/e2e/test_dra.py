@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster import BUSYBOX, MOCK_STATE, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
+from cluster import MOCK_STATE, NAMESPACE, NODE, PRESET, REPO, RUN_DIR, TIMES, Cluster, eventually
 from dra_mode import (
     CDI_DIR,
     CHECKPOINT,
@@ -32,6 +32,7 @@ from dra_mode import (
     TEMPLATE,
     agent_log,
     agent_uid,
+    claim_pod,
     dra_socket,
     node_slices,
     preset_gpus,
@@ -88,27 +89,6 @@ def test_the_kubelet_registered_the_dra_plugin_and_the_slice_holds_the_eight_gpu
             # NVML's bus id has an 8-digit domain (00000000:18:00.0), sysfs and the attribute 4 (0000:18:00.0).
             "resource.kubernetes.io/pciBusID": gpu["pci_bus_id"].lower().removeprefix("0000")}
         assert device["capacity"] == {"memory": {"value": "81559Mi"}, "multiprocessors": {"value": "132"}}
-
-
-def claim_pod(name: str, template: str) -> dict[str, Any]:
-    """A pod holding one claim made from `template`; it prints what its container was given, then sleeps."""
-    command = ('echo "VISIBLE $NVIDIA_VISIBLE_DEVICES"; '
-               "for d in /dev/nvidia*; do [ -e \"$d\" ] && stat -c 'DEV %n %F %t:%T' \"$d\"; done; sleep 3600")
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False,
-            "restartPolicy": "Never",
-            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": template}],
-            "containers": [{
-                "name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
-                "command": ["sh", "-c", command],
-                "resources": {"claims": [{"name": "gpus"}]},
-            }],
-        },
-    }
 
 
 @pytest.mark.matrix
