@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -20,8 +21,9 @@ from agent.deviceplugin.response import NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import SEARCH_THREADS, DevicePluginServicer
 from agent.dra.slices import plugin_resources
+from agent.handover import Handover
 from agent.health.monitor import HealthMonitor
-from agent.inventory import Device, PlanCache
+from agent.inventory import Device, PlanCache, Resource, ResourcePlan
 from agent.kube.reconciler import NodeIntent, NodeReconciler, TaintPolicy, node_intent
 from agent.kube.usage import ApiCollector, ApiCounts
 from agent.labels import node_labels, owned
@@ -111,9 +113,9 @@ class Agent:
         self.search = ThreadPoolExecutor(max_workers=SEARCH_THREADS, thread_name_prefix="preferred-allocation")
         """Where every resource's GetPreferredAllocation search runs, off the event loop."""
         self.plugins = PluginSet(
-            lambda name: DevicePluginServicer(name, bus, self.plans, preferences, self.metrics, files, self.search),
-            lambda: plugin_resources(self.plans(bus.current).resources, options.config.dra.enabled,
-                                     options.config.dra.dynamic_mig),
+            lambda name: DevicePluginServicer(name, bus, self.plugin_plan, preferences, self.metrics, files,
+                                              self.search),
+            lambda: self.served(self.plans(bus.current).resources),
             options.kubelet_dir,
             bus,
             self.metrics,
@@ -121,7 +123,7 @@ class Agent:
         self.monitor = HealthMonitor(self.backend, bus, self.nvml)
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
-                                 dra.plugin.holders if dra is not None else list)
+                                 lambda: self.dra.plugin.holders() if self.dra is not None else [])
         self.mps = MpsDaemons(bus, control=options.mps_control)
         counts = getattr(options.kube, "counts", None)
         self.api_counts = counts if isinstance(counts, ApiCounts) else ApiCounts()
@@ -131,11 +133,22 @@ class Agent:
             if options.kube is not None else None)
         """Keeps the agent's parts of its Node; None without an API server (--no-kube)."""
         self.dra = dra
-        """DRA mode with an API server: the ResourceSlice publisher and the DRA kubelet plugin; else None."""
-        self.ready = AgentReadiness(self.backend, self.plugins, self.reconciler,
-                                    dra.slices.published if dra is not None else None, self.devices)
+        """The ResourceSlice publisher and the DRA kubelet plugin, made at start in DRA mode with an API server
+        or at the first switch to DRA mode; else None. Once made they serve for as long as the agent runs: after
+        a switch back to device-plugin mode the slices are withdrawn and the plugin unprepares what it prepared."""
+        self._dra_made = options.config.dra if dra is not None else None
+        """The DRA settings the DRA parts were made with; None before they are made."""
+        self._slices: asyncio.Task[None] | None = None
+        """The task that publishes the slices, or in device-plugin mode withdraws them."""
+        self._plugin_plan: tuple[ResourcePlan, ResourcePlan] | None = None
+        """(the plan, the device plugin's plan of it) of the newest state in DRA mode: `plugin_plan`."""
+        self.handover = Handover(bus, self.plans,
+                                 lambda: self.dra.plugin.holders() if self.dra is not None else None)
+        """Keeps NodeState.held: what pods hold through the mode the node left (agent/handover.py)."""
+        self.ready = AgentReadiness(self.backend, self.plugins, self.reconciler, self._slices_published,
+                                    self.devices)
         """What /readyz answers once the agent runs (agent/readiness.py)."""
-        self.config_reload = ConfigReload(options, bus, files, self.metrics, hangup)
+        self.config_reload = ConfigReload(options, bus, files, self.metrics, hangup, lambda: self._dra_made)
         """Reloads the config on SIGHUP, a changed file or a new node label (agent/reload.py)."""
 
     @classmethod
@@ -170,9 +183,14 @@ class Agent:
         self.spawn("telemetry", telemetry.run)
         if opts.config_path is not None:
             self.spawn("config-reload", self.config_reload.follow)
+        self.spawn("handover", self.handover.run)
         if self.dra is not None:
-            self.spawn("dra-slices", self.dra.slices.run)
+            if self.bus.current.config.dra.enabled:
+                self._slices = self.spawn("dra-slices", self.dra.slices.run)
+            else:  # claims prepared before a switch back and a restart: their unprepare is served, nothing offered
+                self._withdraw_dra()
             await self.dra.plugin.start()
+        self.spawn("mode", self._follow_mode)
         if not lock.held:
             self._tasks.append(asyncio.create_task(self._take_over(), name="take-over"))
         self.footing.readiness.check = self._ready
@@ -220,10 +238,101 @@ class Agent:
             return False, "the ResourceSlice is not published yet"
         return True, "ok"
 
+    def served(self, resources: Mapping[str, Resource]) -> set[str]:
+        """The resources the device plugin serves in the mode in force: in DRA mode, and while a switch of mode
+        reads what pods hold (NodeState.handover), not the whole GPUs (plugin_resources). A resource DRA took
+        over stays registered, with no devices, while pods hold its devices (NodeState.held, or not known yet):
+        the kubelet starts their containers (and DRA's pods that ask for the same name) only through a plugin
+        it still knows."""
+        state = self.bus.current
+        dra = state.config.dra
+        served = plugin_resources(resources, dra.enabled or state.handover, dra.dynamic_mig)
+        if dra.enabled and (state.handover or state.held):
+            served |= set(self.plugins.plugins)
+        return served
+
+    def plugin_plan(self, state: NodeState) -> ResourcePlan:
+        """The plan as the device plugin serves it: in DRA mode, and while a switch of mode reads what pods hold,
+        without the resources DRA takes over (a plugin kept registered for one lists no devices)."""
+        plan = self.plans(state)
+        dra = state.config.dra
+        if not (dra.enabled or state.handover):
+            return plan
+        cached = self._plugin_plan
+        if cached is None or cached[0] is not plan:
+            served = plugin_resources(plan.resources, True, dra.dynamic_mig)
+            cached = (plan, dataclasses.replace(
+                plan, resources={name: r for name, r in plan.resources.items() if name in served}))
+            self._plugin_plan = cached
+        return cached[1]
+
     def devices(self) -> dict[str, tuple[Device, ...]]:
         resources = self.plans(self.bus.current).resources
-        served = plugin_resources(resources, self.options.config.dra.enabled, self.options.config.dra.dynamic_mig)
+        served = self.served(resources)
         return {name: r.devices for name, r in resources.items() if name in served}
+
+    def _slices_published(self) -> asyncio.Event | None:
+        """Set once the ResourceSlice is published, in DRA mode with an API server; else None."""
+        if self.dra is None or not self.bus.current.config.dra.enabled:
+            return None
+        return self.dra.slices.published
+
+    async def _follow_mode(self) -> None:
+        """Follow the mode the config in force asks for (a reload may switch it while pods run): into DRA mode,
+        make the DRA parts if they are not made yet and publish the slices; back into device-plugin mode,
+        withdraw the slices and keep the DRA kubelet plugin for the claims still prepared. The device plugin
+        follows on its own (`served`), and the handover keeps both from offering what pods hold."""
+        state = self.bus.current
+        dra = state.config.dra.enabled  # the mode start_agent served
+        while True:
+            if state.config.dra.enabled != dra:
+                dra = state.config.dra.enabled
+                if dra:
+                    await self._offer_dra(state)
+                elif self.dra is not None:
+                    await self._leave_dra()
+            state = await self.bus.wait_newer(state.version)
+
+    async def _offer_dra(self, state: NodeState) -> None:
+        if self.dra is None:
+            from agent.daemon import dra_parts
+
+            try:
+                self.dra = dra_parts(self.options, state.config.dra, self.bus, self.files, self.footing)
+            except StartupError as err:
+                log.error("cannot serve DRA: %s", err)
+                return
+            if self.dra is None:
+                return
+            self._dra_made = state.config.dra
+            await self.dra.plugin.start()
+        if self._slices is not None:
+            await self._stop_task(self._slices)
+        self._slices = self.spawn("dra-slices", self.dra.slices.run)
+        log.info("DRA mode: publishing ResourceSlices for driver %s", self.dra.plugin.driver)
+
+    async def _leave_dra(self) -> None:
+        if self._slices is not None:
+            await self._stop_task(self._slices)
+        self._withdraw_dra()
+
+    def _withdraw_dra(self) -> None:
+        assert self.dra is not None
+        slices = self.dra.slices
+
+        async def withdraw() -> None:
+            await slices.withdraw()
+            await asyncio.Event().wait()  # withdrawn: nothing more to do until the mode changes again
+
+        self._slices = self.spawn("dra-withdraw", withdraw)
+        log.info("device-plugin mode: the ResourceSlices are withdrawn; the DRA plugin stays registered for the "
+                 "claims still prepared")
+
+    async def _stop_task(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self._tasks.remove(task)
 
     async def reload_config(self) -> bool:
         """Load the config again (the file, or the named config the node label asks for); a bad one is

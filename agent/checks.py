@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from agent.config import AgentConfig, ConfigError
+from agent.config import AgentConfig, ConfigError, DraSettings
 from agent.deviceplugin.response import IMEX_CHANNEL, NodeFiles
 from agent.inventory import plan, sharing_conflicts
 from agent.mig.layout import LayoutError, load_layouts
@@ -101,16 +101,20 @@ def check_on_node(config: AgentConfig, state: NodeState, kubelet_dir: Path, file
     return []
 
 
-def start_only_changes(old: AgentConfig, new: AgentConfig) -> str | None:
-    """Why `new` cannot replace `old` in a running agent, or None: the DRA section decides which parts the agent
-    is made of (the device plugin or the DRA driver, its name, the CDI directory), so it takes effect only at
-    start."""
-    if new.dra == old.dra:
+def start_only_changes(made: DraSettings | None, new: AgentConfig) -> str | None:
+    """Why `new` cannot replace the config in force in a running agent, or None. `dra.enabled` switches the
+    node's mode while it runs (agent/handover.py). The rest of the DRA section (the driver's name, its CDI
+    directory, dynamic MIG, shares by capacity) makes the DRA parts, which the agent makes once: at start in
+    DRA mode or at the first switch to it; `made` is what they were made with, None before. Once made, that
+    part of the section changes only with a restart."""
+    if made is None or not new.dra.enabled:
         return None
     changed = [f"dra.{field.alias or name}" for name, field in type(new.dra).model_fields.items()
-               if getattr(new.dra, name) != getattr(old.dra, name)]
-    return (f"{', '.join(changed)} cannot change while the agent runs (the parts it starts depend on it); "
-            "restart the agent to apply it")
+               if name != "enabled" and getattr(new.dra, name) != getattr(made, name)]
+    if not changed:
+        return None
+    return (f"{', '.join(changed)} cannot change while the agent runs (its DRA driver was made with the value in "
+            "force); restart the agent to apply it")
 
 
 DEFAULT_MACHINE_TYPE_FILE = Path("/sys/class/dmi/id/product_name")

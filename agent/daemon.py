@@ -34,7 +34,7 @@ from agent.checks import (
     check_sockets,
     machine_type,
 )
-from agent.config import AgentConfig
+from agent.config import AgentConfig, DraSettings
 from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
@@ -179,7 +179,8 @@ async def _init_nvml(footing: Footing) -> NodeState:
             await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
     inventory = await footing.nvml(footing.backend.inventory)
     config = footing.options.config
-    return NodeState(version=1, inventory=inventory, config=config,
+    # In DRA mode whole GPUs are offered once the handover knows which ones pods hold through the device plugin.
+    return NodeState(version=1, inventory=inventory, config=config, handover=config.dra.enabled,
                      machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
 
 
@@ -214,8 +215,15 @@ async def start_agent(backend: NvmlBackend, options: AgentOptions, *,
         if clique.problem is not None:  # as GPU feature discovery warns, once, and labels no clique
             logging.getLogger("agent.labels").warning("nvidia.com/gpu.clique: %s", clique.problem)
         bus = StateBus(state)
-        agent = Agent(footing, bus, files, _dra_parts(options, bus, files, footing),
-                      hangup if hangup is not None else asyncio.Event())
+        dra = dra_parts(options, options.config.dra, bus, files, footing)
+        if dra is None and claims_left(options):
+            # Device-plugin mode on a node where the agent prepared DRA claims before (it was switched back, then
+            # restarted): the DRA kubelet plugin serves their unprepare, and the handover keeps their GPUs out of
+            # the device plugin until their pods end.
+            dra = dra_parts(options, options.config.dra.model_copy(update={"enabled": True}), bus, files, footing)
+            if dra is not None:
+                await bus.update(handover=True)
+        agent = Agent(footing, bus, files, dra, hangup if hangup is not None else asyncio.Event())
     except BaseException:
         await footing.release()
         raise
@@ -235,10 +243,11 @@ class DraParts:
     plugin: DraKubeletPlugin
 
 
-def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: Footing) -> DraParts | None:
-    """The DRA parts when dra.enabled and the agent has an API server client to publish with; else None. With
-    dra.dynamicMig the publisher offers MIG placements and the kubelet plugin makes MIG devices for claims."""
-    dra = options.config.dra
+def dra_parts(options: AgentOptions, dra: DraSettings, bus: StateBus, files: NodeFiles,
+              footing: Footing) -> DraParts | None:
+    """The DRA parts for the settings `dra` (at start, or at the first switch to DRA mode) when dra.enabled and
+    the agent has an API server client to publish with; else None. With dra.dynamicMig the publisher offers MIG
+    placements and the kubelet plugin makes MIG devices for claims."""
     if not dra.enabled:
         return None
     # Only a NodeApi can publish, and the agent has one only where its module is loaded: without one
@@ -270,10 +279,27 @@ def _dra_parts(options: AgentOptions, bus: StateBus, files: NodeFiles, footing: 
                       on_health_mode=metrics.health_mode)
         plugin = DraKubeletPlugin(
             paths, dra.driver_name, node, bus, api, files.control_nodes,
-            options.config.flags.dev_root, slices.republish, files.mig_minors, dynamic)
+            bus.current.config.flags.dev_root, slices.republish, files.mig_minors, dynamic)
     except (ClaimError, DynamicMigError) as err:
         raise StartupError(str(err)) from None
     return DraParts(slices, plugin)
+
+
+def claims_left(options: AgentOptions) -> bool:
+    """Whether the DRA checkpoint of the config's driver holds prepared claims (read only where it exists)."""
+    dra = options.config.dra
+    from agent.dra.claims import ClaimError, ClaimStore, Paths
+
+    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root, options.pod_uid)
+    if not paths.checkpoint.exists():
+        return False
+    store = ClaimStore(paths, dra.driver_name)
+    try:
+        store.refresh(always=True)
+    except (ClaimError, OSError) as err:
+        log.warning("cannot read the DRA checkpoint %s: %s", paths.checkpoint, err)
+        return False
+    return bool(store.claims)
 
 
 class IdleAgent:

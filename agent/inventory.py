@@ -129,10 +129,11 @@ def _base_units(state: NodeState, config: AgentConfig) -> tuple[list[tuple[str, 
 def _strategy_units(state: NodeState, config: AgentConfig) -> tuple[list[tuple[str, Device]], list[str]]:
     by_index = config.flags.plugin.device_id_strategy == "index"
     strategy = config.flags.mig_strategy
-    gpus = [g for g in state.inventory.gpus if g.uuid not in state.draining]
+    gpus = [g for g in state.inventory.gpus if g.uuid not in state.draining and g.uuid not in state.held]
     migs: dict[int, list[MigDeviceInfo]] = {}
     for m in state.inventory.mig_devices:
-        migs.setdefault(m.parent_index, []).append(m)
+        if m.uuid not in state.held:
+            migs.setdefault(m.parent_index, []).append(m)
     units: list[tuple[str, Device]] = []
     problems: list[str] = []
     if strategy == "none" or (strategy == "single" and not any(g.mig_enabled for g in gpus)):
@@ -242,7 +243,8 @@ def _kind(unit: Device, name: str, target: str) -> tuple[str, str]:
 
 
 def plan(state: NodeState, config: AgentConfig | None = None) -> ResourcePlan:
-    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely, MPS
+    """Every resource the node advertises, devices in GPU order; draining GPUs are withdrawn entirely, the
+    GPUs and MIG devices DRA claims hold after a switch from DRA mode (`state.held`) too, MPS
     replicas of a GPU whose control daemon is not up are withheld, and so is a resource the config would fill
     with two kinds of device (whole GPUs, MIG devices, replicas of another resource: see _kind)."""
     config = config or state.config

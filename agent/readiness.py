@@ -30,14 +30,14 @@ class AgentReadiness:
     """The running agent's readiness, asked by /readyz and the metrics (`Agent.ready`)."""
 
     def __init__(self, backend: NvmlBackend, plugins: PluginSet, reconciler: NodeReconciler | None,
-                 slices_published: asyncio.Event | None,
+                 slices_published: Callable[[], asyncio.Event | None],
                  devices: Callable[[], Mapping[str, tuple[Device, ...]]]) -> None:
         self._backend = backend
         self._plugins = plugins
         self._reconciler = reconciler
         """None without an API server (--no-kube)."""
         self._slices_published = slices_published
-        """Set once the ResourceSlice is published (DRA mode with an API server); else None."""
+        """The event set once the ResourceSlice is published (DRA mode with an API server); else None."""
         self._devices = devices
         """The devices of each resource the agent serves."""
         self._allocatable_seen: int | None = None
@@ -53,7 +53,7 @@ class AgentReadiness:
             return False, problem
         if not self._plugins.registered.is_set():
             return False, "not registered with the kubelet"
-        if self._slices_published is not None and not self._slices_published.is_set():
+        if (published := self._slices_published()) is not None and not published.is_set():
             return False, "the ResourceSlice is not published yet"
         if self._reconciler is None:
             return True, "ok"

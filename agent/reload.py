@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agent.checks import StartupError, check_on_node, check_paths, machine_type, start_only_changes
-from agent.config import ConfigError, config_file, load_config, with_health_env
+from agent.config import ConfigError, DraSettings, config_file, load_config, with_health_env
 from agent.deviceplugin.response import NodeFiles
 from agent.metrics import Metrics
 from agent.state import StateBus
@@ -29,8 +30,10 @@ class ConfigReload:
     """Reloads the running agent's config; made by the Agent, which runs `follow` as its config-reload task."""
 
     def __init__(self, options: AgentOptions, bus: StateBus, files: NodeFiles, metrics: Metrics,
-                 hangup: asyncio.Event) -> None:
+                 hangup: asyncio.Event, dra_made: Callable[[], DraSettings | None] = lambda: None) -> None:
         self.options = options
+        self.dra_made = dra_made
+        """The DRA settings the agent's DRA parts were made with; None before they are made."""
         self.bus = bus
         self.files = files
         """The device nodes and files the node has (read once at start)."""
@@ -59,7 +62,7 @@ class ConfigReload:
             return await self._reject(str(err).replace("\n", "; "))
         except ConfigError as err:
             return await self._reject("\n".join(f"{path}: {line}" for line in str(err).splitlines()))
-        if (start_only := start_only_changes(self.bus.current.config, new)) is not None:
+        if (start_only := start_only_changes(self.dra_made(), new)) is not None:
             return await self._reject(f"{path}: {start_only}")
         if new.health.taint != self.bus.current.config.health.taint:
             from agent.kube.selfpod import check_reloaded
@@ -70,8 +73,15 @@ class ConfigReload:
             log.warning("%s", line)
         self.metrics.config_in_force(new.without_effect)
         source = f"{path} ({name})" if name else str(path)
-        await self.bus.record([("", "config-applied", f"config reloaded from {source}")], config=new,
-                              machine=machine_type(new.flags.gfd.machine_type_file))
+        events = [("", "config-applied", f"config reloaded from {source}")]
+        switched = new.dra.enabled != self.bus.current.config.dra.enabled
+        if switched:  # the handover reads what pods hold before either mode offers a whole GPU again
+            mode = "DRA mode" if new.dra.enabled else "device-plugin mode"
+            events.append(("", "mode-switched", f"switching to {mode} with the pods on the GPUs kept"))
+            log.info("switching to %s: the pods on the GPUs keep them, and what they hold stays out of the new "
+                     "mode until released", mode)
+        await self.bus.record(events, config=new, machine=machine_type(new.flags.gfd.machine_type_file),
+                              handover=switched or self.bus.current.handover)
         log.info("config reloaded from %s", source)
         return True
 

@@ -66,6 +66,8 @@ class Changes(TypedDict, total=False):
     config: AgentConfig
     health: Mapping[str, DeviceHealth]
     draining: frozenset[str]
+    held: frozenset[str]
+    handover: bool
     mig_request: str | None
     mig_status: MigStatus | None
     config_request: str | None
@@ -93,6 +95,13 @@ class NodeState:
     """Health by GPU UUID; a GPU missing here is healthy. MIG devices and replicas inherit their GPU's."""
     draining: frozenset[str] = frozenset()
     """GPU UUIDs whose devices are withdrawn while their MIG layout changes."""
+    held: frozenset[str] = frozenset()
+    """GPU and MIG device UUIDs that pods hold through the mode the node left (agent/handover.py): in DRA mode
+    the device plugin's allocations the kubelet still reports, in device-plugin mode the devices of the DRA
+    claims still prepared. The mode in force offers none of them until they are released."""
+    handover: bool = False
+    """The mode just changed (or the agent started in DRA mode) and `held` is not read yet: neither mode offers
+    whole GPUs until it is, so none can be handed out twice."""
     incidents: tuple[Incident, ...] = ()
     """The newest incidents, oldest first, at most MAX_INCIDENTS."""
     mig_request: str | None = None

@@ -32,6 +32,7 @@ from agent.dra.slices import (
     PcieRootLookup,
     gpu_attributes,
     health_taints,
+    held_gpus,
     mib_quantity,
     mig_device_name,
     nvlink_cliques,
@@ -118,10 +119,11 @@ ProfilesOf = Callable[[GpuInfo], tuple[MigProfile, ...]]
 
 def dynamic_gpus(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints: bool = False
                  ) -> list[tuple[GpuInfo, tuple[MigProfile, ...]]]:
-    """The GPUs in MIG mode whose placements are published: with MIG profiles, not draining, and healthy
-    unless unhealthy ones are published with a taint."""
+    """The GPUs in MIG mode whose placements are published: with MIG profiles, not draining, not held through
+    the mode the node left, and healthy unless unhealthy ones are published with a taint."""
+    held = held_gpus(state)
     return [(g, found) for g in state.inventory.gpus
-            if g.mig_enabled and (found := profiles(g)) and g.uuid not in state.draining
+            if g.mig_enabled and (found := profiles(g)) and g.uuid not in state.draining and g.uuid not in held
             and (taints or state.gpu_health(g.uuid).healthy)]
 
 

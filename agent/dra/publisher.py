@@ -172,6 +172,18 @@ class SlicePublisher:
         if close is not None:
             await close()
 
+    async def withdraw(self) -> None:
+        """Delete the node's slices of this driver (device-plugin mode after a switch from DRA mode: the DRA
+        kubelet plugin stays to unprepare the claims still prepared, and offers nothing); the next sync
+        publishes them again from nothing."""
+        self.published.clear()
+        for found in await self._api.list(self.node, self.driver):
+            if name := (found.get("metadata") or {}).get("name"):
+                await self._api.delete(name)
+                log.info("deleted ResourceSlice %s: the node left DRA mode", name)
+        self._written = self._stored = self._slices_written = None
+        self.verify = True
+
     def republish(self) -> None:
         """Check the slice now (call after the kubelet plugin registers: the kubelet deletes the driver's
         slices then)."""

@@ -216,13 +216,28 @@ def mps_waiting(state: NodeState) -> set[str]:
     return {g.uuid for g, _ in mps_shared_gpus(state) if state.mps.get(g.uuid) != ""}
 
 
+def held_gpus(state: NodeState) -> set[str]:
+    """The GPUs the slice leaves out because pods hold them, or one of their MIG devices, through the mode the
+    node left (`state.held`, agent/handover.py); every GPU while that is not known yet (`state.handover`)."""
+    if state.handover:
+        return {g.uuid for g in state.inventory.gpus}
+    if not state.held:
+        return set()
+    by_index = {g.index: g.uuid for g in state.inventory.gpus}
+    return {g.uuid for g in state.inventory.gpus if g.uuid in state.held} | {
+        by_index[m.parent_index] for m in state.inventory.mig_devices
+        if m.uuid in state.held and m.parent_index in by_index}
+
+
 def published_gpus(state: NodeState, taints: bool = False) -> list[GpuInfo]:
     """The whole GPUs the slice carries (whole or as replicas): not draining, not MIG-enabled, not waiting for
-    their MPS daemon, and healthy unless unhealthy ones are published with a taint (`taints`)."""
+    their MPS daemon, not held through the mode the node left, and healthy unless unhealthy ones are published
+    with a taint (`taints`)."""
     waiting = mps_waiting(state)
+    held = held_gpus(state)
     return [g for g in state.inventory.gpus
             if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled
-            and g.uuid not in waiting]
+            and g.uuid not in waiting and g.uuid not in held]
 
 
 def mig_device_name(mig: MigInfo) -> str:
@@ -232,10 +247,14 @@ def mig_device_name(mig: MigInfo) -> str:
 
 def published_migs(state: NodeState, taints: bool = False) -> list[tuple[GpuInfo, MigInfo]]:
     """The MIG devices the slice carries, with their GPU: those of MIG-enabled GPUs whose layout is not being
-    changed, and that are healthy unless unhealthy ones are published with a taint (`taints`)."""
+    changed, that are not held through the mode the node left, and that are healthy unless unhealthy ones are
+    published with a taint (`taints`)."""
+    held = set() if state.handover else state.held
     parents = {g.index: g for g in state.inventory.gpus
-               if g.mig_enabled and (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining}
-    return [(parents[m.parent_index], m) for m in state.inventory.mig_devices if m.parent_index in parents]
+               if g.mig_enabled and (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining
+               and not (state.handover or g.uuid in held)}
+    return [(parents[m.parent_index], m) for m in state.inventory.mig_devices
+            if m.parent_index in parents and m.uuid not in held]
 
 
 def device_gpus(state: NodeState) -> dict[str, str]:

@@ -27,6 +27,7 @@ EVENT_REASONS = {
     "recovered": "GPURecovered",
     "config-rejected": "ConfigRejected",
     "config-applied": "ConfigApplied",
+    "mode-switched": "ModeSwitched",
     "resources-withheld": "ResourcesWithheld",
     "sharing-selector-unmatched": "SharingSelectorUnmatched",
     "mig-success": "MigConfigApplied",
@@ -37,7 +38,7 @@ LABEL_DROPPED_REASON = "LabelDropped"
 OWN_TAINT_PREFIX = "gpu-node-agent.io/"
 EVENT_MESSAGE_MAX = 1024
 """Event messages are kept to what `kubectl describe` shows in full (events.k8s.io caps a note at 1 kB)."""
-NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mig-success"})
+NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mode-switched", "mig-success"})
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"

@@ -29,7 +29,7 @@ start() {
     [[ $(cgroup_version) == v1 ]] && cgroup_v1_line="failCgroupV1: false"
     # The gates the release leaves off (lib.sh, gates_off_by_default), as `featureGates: {A: true, B: true}`.
     local gates gates_line=
-    gates=$(gates_off_by_default "$kube_bin_dir/kubelet" ResourceHealthStatus)
+    gates=$(gates_off_by_default "$kube_bin_dir/kubelet" ResourceHealthStatus DRAExtendedResource)
     gates=${gates//=/: }
     [[ -n $gates ]] && gates_line="featureGates: {${gates//,/, }}"
     cat >"$run_dir/kubelet/config.yaml" <<KC

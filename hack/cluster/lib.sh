@@ -42,7 +42,8 @@ clog() { printf 'cluster: %s\n' "$*" >&2; }
 # holds it; alpha and off in 1.35, beta and on from 1.36) in the kubelet and the kube-apiserver (which drops the
 # pod status field while the gate is off); DRAPartitionableDevices (dra.dynamicMig's placements with shared
 # counters; alpha and off before 1.36, beta and on from 1.36, docs/reference/kubernetes-releases.md) in the
-# kube-apiserver and the kube-scheduler.
+# kube-apiserver and the kube-scheduler; DRAExtendedResource (KEP-5004, pods asking for nvidia.com/gpu served
+# through a DeviceClass's extendedResourceName; alpha and off in 1.35, beta from 1.36, GA in 1.37) in all three.
 
 # usage: gates_off_by_default BINARY GATE...  The GATEs that BINARY has and leaves off by default, as the value
 # of --feature-gates ("A=true,B=true"; empty when it has them all on). Asked of the binary itself: its --help

@@ -84,8 +84,9 @@ bring_up() {
 
     local pki=$run_dir/pki gates scheduler_gates
     # The gates the release leaves off (lib.sh, gates_off_by_default); the kubelet's in kubelet.sh.
-    gates=$(gates_off_by_default "$kube_bin_dir/kube-apiserver" ResourceHealthStatus DRAPartitionableDevices)
-    scheduler_gates=$(gates_off_by_default "$kube_bin_dir/kube-scheduler" DRAPartitionableDevices)
+    gates=$(gates_off_by_default "$kube_bin_dir/kube-apiserver" ResourceHealthStatus DRAPartitionableDevices \
+        DRAExtendedResource)
+    scheduler_gates=$(gates_off_by_default "$kube_bin_dir/kube-scheduler" DRAPartitionableDevices DRAExtendedResource)
     [[ -z $gates ]] || clog "kube-apiserver with --feature-gates=$gates: off by default in $cluster_release"
     [[ -z $scheduler_gates ]] || clog "kube-scheduler with --feature-gates=$scheduler_gates: off by default in $cluster_release"
     wait_for 30 "etcd" in_netns curl -fsS --max-time 1 http://127.0.0.1:2379/health
