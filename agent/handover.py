@@ -45,9 +45,15 @@ class Handover:
         bus = self._bus
         delay = RETRY_FIRST_S
         failing = ""
+        mode = bus.current.config.dra.enabled
         while True:
             state = bus.current
             dra = state.config.dra.enabled
+            switched, mode = dra != mode, dra
+            if switched and dra:
+                # The device plugin served the GPUs until this state: an Allocate the kubelet sent before it is
+                # in the kubelet's record once this much has passed.
+                await asyncio.sleep(SETTLE_S)
             if state.handover or state.held or (not dra and self._claims() is not None):
                 try:
                     held = await self._read(state) if dra else self._prepared(state)
@@ -82,8 +88,6 @@ class Handover:
         """DRA mode: the node's devices the kubelet reports as allocated through a resource the device plugin no
         longer serves."""
         socket = state.config.mig.pod_resources_socket
-        if state.handover:
-            await asyncio.sleep(SETTLE_S)
         if not socket.exists():
             return frozenset()  # no kubelet on this node: nothing can be held
         still = self._still_served(state)

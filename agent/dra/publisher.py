@@ -425,6 +425,10 @@ class SlicePublisher:
         backoff = Backoff(first_min=BACKOFF_MIN_S, first_max=2 * BACKOFF_MIN_S, cap=BACKOFF_MAX_S)
         while True:
             state = self._bus.current
+            if state.handover:  # which GPUs pods hold is not known yet (agent/handover.py): nothing to publish
+                self.published.clear()
+                await self._bus.wait_newer(state.version)
+                continue
             try:
                 await self.sync(state)
                 self.verify = False

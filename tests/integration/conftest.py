@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from apiserver import NODE, OTHER_NODE, STARTED_GROUPS, ApiServer, ensure_testbin, group_alive, running
@@ -32,6 +33,15 @@ def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     ensure_testbin()
     with running(tmp_path_factory.mktemp("apiserver"), nodes=(NODE, OTHER_NODE)) as rig:
         yield rig
+
+
+@pytest.fixture(scope="module")
+def dra_kubeconfig(apiserver: ApiServer) -> Path:
+    """A kubeconfig of the agent's ServiceAccount in DRA mode, with the DRA objects applied (dra_rig.setup_cluster)."""
+    from dra_rig import AGENT_ACCOUNT, AGENT_NAMESPACE, setup_cluster
+
+    setup_cluster(apiserver)
+    return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

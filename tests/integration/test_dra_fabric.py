@@ -19,8 +19,6 @@ from typing import Any
 import pytest
 from apiserver import ApiServer, _spawn, _stop_group, wait_until
 from dra_rig import (
-    AGENT_ACCOUNT,
-    AGENT_NAMESPACE,
     NAMESPACE,
     ControlPlane,
     allocated,
@@ -60,22 +58,16 @@ def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) ->
         yield plane
 
 
-@pytest.fixture(scope="module")
-def agent_kubeconfig(apiserver: ApiServer) -> Path:
-    setup_cluster(apiserver)
-    return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-
-
 def devices(apiserver: ApiServer, node: str) -> dict[str, dict[str, Any]]:
     (found,) = slices_of(apiserver, node)
     return {d["name"]: d for d in found["spec"].get("devices") or []}
 
 
 async def test_the_tray_publishes_its_clique_and_channel_and_a_clique_claim_is_prepared_with_the_channel(
-        apiserver: ApiServer, scheduler: ControlPlane, agent_kubeconfig: Path) -> None:
+        apiserver: ApiServer, scheduler: ControlPlane, dra_kubeconfig: Path) -> None:
     root = short_dir()
     try:
-        async with dra_agent(apiserver, agent_kubeconfig, "gb200-tray-1", "gb200-nvl72-tray", root=root,
+        async with dra_agent(apiserver, dra_kubeconfig, "gb200-tray-1", "gb200-nvl72-tray", root=root,
                              config=IMEX) as (agent, _):
             found = devices(apiserver, "gb200-tray-1")
             assert list(found) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "channel-0"]
@@ -151,12 +143,12 @@ def tray(name: str, clique: int) -> str:
 
 
 def test_a_rack_of_agent_processes_places_each_clique_claim_on_a_tray_of_that_clique(
-        apiserver: ApiServer, scheduler: ControlPlane, agent_kubeconfig: Path) -> None:
+        apiserver: ApiServer, scheduler: ControlPlane, dra_kubeconfig: Path) -> None:
     other = f"{OTHER_CLUSTER}.2"
     trays = {"rack-tray-1": tray("rack-tray-1", 1), "rack-tray-2": tray("rack-tray-2", 1),
              "rack-tray-3": tray("rack-tray-3", 2)}
     core = k8s.CoreV1Api(apiserver.admin_client())
-    with rack(apiserver, agent_kubeconfig, trays) as directories:
+    with rack(apiserver, dra_kubeconfig, trays) as directories:
         def published() -> dict[str, set[str]]:
             found = {}
             for name in trays:

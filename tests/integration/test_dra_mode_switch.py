@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from apiserver import ApiServer
-from dra_rig import AGENT_ACCOUNT, AGENT_NAMESPACE, create_schedulable_node, delete_node, setup_cluster, slices_of
+from dra_rig import create_schedulable_node, delete_node, slices_of
 
 from agent.config import parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
@@ -26,12 +26,6 @@ from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from tests.plugin_harness import running_agent, short_dir, wait_until
 
 NODE = "switch-node"
-
-
-@pytest.fixture(scope="module")
-def agent_kubeconfig(apiserver: ApiServer) -> Path:
-    setup_cluster(apiserver)
-    return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
 
 
 @pytest.fixture
@@ -75,7 +69,7 @@ def slice_devices(apiserver: ApiServer) -> list[str] | None:
 
 
 async def test_a_reload_switches_to_dra_and_back_offering_only_what_pods_do_not_hold(
-        apiserver: ApiServer, agent_kubeconfig: Path, folder: Path) -> None:
+        apiserver: ApiServer, dra_kubeconfig: Path, folder: Path) -> None:
     socket = folder / "pr.sock"
     common = (f"version: v1\nmig: {{stateDir: {folder}/state, podResourcesSocket: {socket}}}\n"
               f"dra: {{cdiRoot: {folder}/cdi, enabled: ")
@@ -86,7 +80,7 @@ async def test_a_reload_switches_to_dra_and_back_offering_only_what_pods_do_not_
     await asyncio.to_thread(create_schedulable_node, apiserver, NODE)
     try:
         async with pod_resources(socket) as lister:
-            api = await NodeApi.connect(agent_kubeconfig, NODE)
+            api = await NodeApi.connect(dra_kubeconfig, NODE)
             async with running_agent("dgx-h100", parse_config(path.read_text()), kube=api, config_path=path,
                                      directory=kubelet_dir) as rig:
                 uuids = [rig.uuid(i) for i in range(8)]

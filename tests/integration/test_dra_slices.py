@@ -14,8 +14,6 @@ import grpc
 import pytest
 from apiserver import REPO, ApiServer
 from dra_rig import (
-    AGENT_ACCOUNT,
-    AGENT_NAMESPACE,
     DEVICE_CLASS,
     DRIVER,
     GROUP,
@@ -57,12 +55,6 @@ def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) ->
         yield plane
 
 
-@pytest.fixture(scope="module")
-def agent_kubeconfig(apiserver: ApiServer) -> Path:
-    setup_cluster(apiserver)
-    return apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-
-
 def devices(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for d in found["spec"].get("devices") or []}
 
@@ -87,8 +79,8 @@ ONE_DOMAIN = example("two-gpus-one-nvlink-domain.yaml")
 
 
 async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
-        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-h100", "dgx-h100") as (_, fake):
+        apiserver: ApiServer, dra_kubeconfig: Path) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-h100", "dgx-h100") as (_, fake):
         (found,) = await asyncio.to_thread(slices_of, apiserver, "dra-h100")
         assert found["metadata"]["name"] == "dra-h100-gpu.gpu-node-agent.io"
         assert found["spec"]["driver"] == DRIVER
@@ -128,8 +120,8 @@ async def test_the_slice_on_the_api_server_carries_the_gpus_and_follows_health(
             assert list(devices(now)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-4", "gpu-5", "gpu-6", "gpu-7"]
 
 
-async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-gone", "a100-pcie-nvlink-pairs") as (agent, _):
+async def test_the_slice_is_written_again_after_it_is_deleted(apiserver: ApiServer, dra_kubeconfig: Path) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-gone", "a100-pcie-nvlink-pairs") as (agent, _):
         custom = k8s.CustomObjectsApi(apiserver.admin_client())
         await asyncio.to_thread(custom.delete_cluster_custom_object, "resource.k8s.io", "v1", "resourceslices",
                                 "dra-gone-gpu.gpu-node-agent.io")
@@ -154,10 +146,10 @@ def slice_requests(agent: Any) -> dict[tuple[str, str], int]:
             if resource == "resourceslices"}
 
 
-async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, dra_kubeconfig: Path) -> None:
     """At start the agent looks for its slice with one LIST (which also finds stale ones) and creates it; a later
     check of a slice nobody changed (a kubelet re-registration, the half-hourly recheck) is that LIST alone."""
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-cost", "a100-pcie-nvlink-pairs") as (agent, _):
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-cost", "a100-pcie-nvlink-pairs") as (agent, _):
         assert slice_requests(agent) == {("list", "200"): 1, ("post", "201"): 1}
         assert agent.dra is not None
         agent.dra.slices.published.clear()
@@ -167,7 +159,7 @@ async def test_a_check_of_the_slice_costs_one_list(apiserver: ApiServer, agent_k
 
 
 async def test_a_restarted_agent_takes_its_unchanged_slice_with_one_list_and_no_write(
-        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+        apiserver: ApiServer, dra_kubeconfig: Path) -> None:
     """An agent restarted where its slice is still there as it left it (a DaemonSet rollout on a node whose
     kubelet kept the slice) lists it and writes nothing: the slice keeps its resourceVersion and generation 1,
     and the Node that owns it is read from the slice, not asked for again."""
@@ -176,12 +168,12 @@ async def test_a_restarted_agent_takes_its_unchanged_slice_with_one_list_and_no_
                    if (verb, resource) == ("get", "nodes"))
 
     try:
-        async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
+        async with dra_agent(apiserver, dra_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
                 agent, _):
             assert slice_requests(agent) == {("list", "200"): 1, ("post", "201"): 1}
             assert node_gets(agent) == 1  # the owner's UID, for the new slice
         [before] = await asyncio.to_thread(slices_of, apiserver, "dra-again")
-        async with dra_agent(apiserver, agent_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
+        async with dra_agent(apiserver, dra_kubeconfig, "dra-again", "a100-pcie-nvlink-pairs", keep=True) as (
                 agent, _):
             assert slice_requests(agent) == {("list", "200"): 1}
             assert node_gets(agent) == 0
@@ -196,8 +188,8 @@ async def test_a_restarted_agent_takes_its_unchanged_slice_with_one_list_and_no_
 
 
 async def test_the_scheduler_keeps_a_two_gpu_claim_on_one_nvlink_pair(
-        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-pairs", "a100-pcie-nvlink-pairs"):
+        apiserver: ApiServer, dra_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-pairs", "a100-pcie-nvlink-pairs"):
         # One GPU of the first pair is taken; a first-fit allocator would now split GPUs 1 and 2.
         await asyncio.to_thread(create_claim, apiserver, "pairs-gpu0", pinned(0))
         await asyncio.to_thread(create_pod, apiserver, "pairs-one", "pairs-gpu0")
@@ -217,8 +209,8 @@ async def test_the_scheduler_keeps_a_two_gpu_claim_on_one_nvlink_pair(
 
 
 async def test_first_available_takes_a_pair_then_one_numa_node(
-        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-loose", LOOSE):
+        apiserver: ApiServer, dra_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-loose", LOOSE):
         await asyncio.to_thread(create_template, apiserver, "best-topology", BEST_TOPOLOGY_FIRST)
         await asyncio.to_thread(create_pod, apiserver, "loose-one", template="best-topology")
         assert await asyncio.to_thread(allocated, apiserver, "loose-one") == (
@@ -231,8 +223,8 @@ async def test_first_available_takes_a_pair_then_one_numa_node(
 
 
 async def test_first_available_falls_back_to_any_two(
-        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-any", "a100-pcie-nvlink-pairs"):
+        apiserver: ApiServer, dra_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-any", "a100-pcie-nvlink-pairs"):
         # GPUs 1 and 3 are taken: no pair and no NUMA node has two free GPUs.
         await asyncio.to_thread(create_claim, apiserver, "any-held", pinned(1, 3))
         await asyncio.to_thread(create_pod, apiserver, "any-held", "any-held")
@@ -245,7 +237,7 @@ async def test_first_available_falls_back_to_any_two(
 
 
 async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
-        apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+        apiserver: ApiServer, dra_kubeconfig: Path) -> None:
     root = short_dir()
     kubelet = StandInKubelet(root / "kubelet" / "device-plugins")
     (root / "kubelet" / "device-plugins").mkdir(parents=True)
@@ -253,7 +245,7 @@ async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
     fake = FakeNvml(load_node("dgx-h100"))
     carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])
     try:
-        async with dra_agent(apiserver, agent_kubeconfig, "dra-mixed", "dgx-h100", root=root, fake=fake,
+        async with dra_agent(apiserver, dra_kubeconfig, "dra-mixed", "dgx-h100", root=root, fake=fake,
                              config="flags: {migStrategy: mixed}\n") as (agent, _):
             await kubelet.wait_for({"nvidia.com/mig-3g.40gb"}, 20)
             assert sorted(kubelet.plugins) == ["nvidia.com/mig-3g.40gb"]
@@ -270,8 +262,8 @@ async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
 
 
 async def test_the_shipped_domain_template_on_an_nvswitch_box_and_on_bridged_pairs(
-        apiserver: ApiServer, agent_kubeconfig: Path, scheduler: ControlPlane) -> None:
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-domain", "dgx-h100"):
+        apiserver: ApiServer, dra_kubeconfig: Path, scheduler: ControlPlane) -> None:
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-domain", "dgx-h100"):
         await asyncio.to_thread(create_template, apiserver, "domain", ONE_DOMAIN)
         # GPUs 0 and 1 are taken: any two others reach each other through the NVSwitches.
         await asyncio.to_thread(create_claim, apiserver, "domain-held", pinned(0, 1))
@@ -280,7 +272,7 @@ async def test_the_shipped_domain_template_on_an_nvswitch_box_and_on_bridged_pai
         await asyncio.to_thread(create_pod, apiserver, "domain-two", template="domain")
         assert await asyncio.to_thread(allocated, apiserver, "domain-two") == (
             "dra-domain", [("gpus", "dra-domain", "gpu-2"), ("gpus", "dra-domain", "gpu-3")])
-    async with dra_agent(apiserver, agent_kubeconfig, "dra-domain-pairs", "a100-pcie-nvlink-pairs"):
+    async with dra_agent(apiserver, dra_kubeconfig, "dra-domain-pairs", "a100-pcie-nvlink-pairs"):
         await asyncio.to_thread(create_template, apiserver, "domain", ONE_DOMAIN)
         await asyncio.to_thread(create_claim, apiserver, "domain-gpu1", pinned(1))
         await asyncio.to_thread(create_pod, apiserver, "domain-gpu1", "domain-gpu1")
@@ -299,7 +291,7 @@ class NoPods(pr_grpc.PodResourcesListerServicer):
         return pr.ListPodResourcesResponse()
 
 
-async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiServer, agent_kubeconfig: Path) -> None:
+async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiServer, dra_kubeconfig: Path) -> None:
     root = short_dir()
     server = grpc.aio.server()
     pr_grpc.add_PodResourcesListerServicer_to_server(NoPods(), server)
@@ -307,7 +299,7 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
     await server.start()
     core = k8s.CoreV1Api(apiserver.admin_client())
     try:
-        async with dra_agent(apiserver, agent_kubeconfig, "dra-relayout", "dgx-h100", root=root) as (_agent, _):
+        async with dra_agent(apiserver, dra_kubeconfig, "dra-relayout", "dgx-h100", root=root) as (_agent, _):
             (before,) = await asyncio.to_thread(slices_of, apiserver, "dra-relayout")
             assert list(devices(before)) == [f"gpu-{i}" for i in range(8)]
             await asyncio.to_thread(core.patch_node, "dra-relayout",
@@ -337,11 +329,11 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
     ("hgx-16-nvswitch", 64, [(2 * k, 0) for k in range(8)]),  # 1024 devices: 8 x 128
 ], ids=["8x17", "16x64"])
 async def test_a_node_with_more_devices_than_a_slice_takes_is_published_in_several_and_allocated_from_each(
-        apiserver: ApiServer, scheduler: ControlPlane, agent_kubeconfig: Path, preset: str, replicas: int,
+        apiserver: ApiServer, scheduler: ControlPlane, dra_kubeconfig: Path, preset: str, replicas: int,
         firsts: list[tuple[int, int]]) -> None:
     name = f"dra-many-{replicas}"
     sharing = f"sharing: {{timeSlicing: {{resources: [{{name: nvidia.com/gpu, replicas: {replicas}}}]}}}}\n"
-    async with dra_agent(apiserver, agent_kubeconfig, name, preset, config=sharing):
+    async with dra_agent(apiserver, dra_kubeconfig, name, preset, config=sharing):
         found = sorted(await asyncio.to_thread(slices_of, apiserver, name), key=lambda s: s["metadata"]["name"])
         main = f"{name}-{DRIVER}"
         count = len(firsts)
