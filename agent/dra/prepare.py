@@ -105,6 +105,11 @@ class Preparer:
         if self._store.state(uid) is not None:  # a prepare cut short (PrepareStarted): undone, then done again
             await self._roll_back(uid)
         where = f"claim {namespace}/{name}"
+        if not self._bus.current.config.dra.enabled:
+            # Switched back to the device plugin (docs/dra.md, "Switching a node live"): it owns the GPUs now, and
+            # a claim allocated from the slice before it was withdrawn would take one the device plugin gives out.
+            raise ClaimError(f"{where}: the node is in device-plugin mode, its GPUs are the device plugin's; a claim "
+                             "allocated before the switch is not prepared (delete its pod)")
         if claim is None:
             raise ClaimError(f"{where}: not found")
         if (claim.get("metadata") or {}).get("uid") != uid:

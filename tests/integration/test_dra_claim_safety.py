@@ -39,6 +39,8 @@ NODE = "node-a"
 NS = "team"
 KIND = f"{DRIVER}/gpu"
 SHARED = "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, devices: [0]}]}}\n"
+DRA_MODE = "version: v1\ndra: {enabled: true}\n"
+"""The config of a node in DRA mode (the kubelet plugin prepares claims only there)."""
 
 
 class ApiClaims:
@@ -74,7 +76,8 @@ class Node:
             carve_mig(self.fake, 0, [])
         self.backend = fake_backend(self.fake)
         self.backend.init()
-        text = "version: v1\n" + config + ("dra: {enabled: true, dynamicMig: true}\n" if dynamic_mig else "")
+        text = "version: v1\n" + config + ("dra: {enabled: true, dynamicMig: true}\n" if dynamic_mig
+                                           else "dra: {enabled: true}\n")
         self.bus = StateBus(NodeState(version=1, inventory=self.backend.inventory(), config=parse_config(text)))
         self.api = ApiClaims()
         self.paths = Paths.under(directory / "kubelet", DRIVER, directory / "cdi")
@@ -207,6 +210,27 @@ async def test_an_unprepare_while_the_prepare_waits_for_the_api_server_is_not_un
     node.close()
 
 
+async def test_back_in_device_plugin_mode_a_new_claim_is_refused_and_a_prepared_one_is_still_served(
+        directory: Path) -> None:
+    node = Node(directory)
+    node.api.allocate("train", "uid-a", ["gpu-0"])
+    node.api.allocate("late", "uid-b", ["gpu-1"])  # allocated from the slice just before it was withdrawn
+    async with node.serving() as (_, stub):
+        first = await stub.NodePrepareResources(prepare_request(("train", "uid-a")), timeout=10)
+        await node.bus.update(config=parse_config("version: v1\n"))  # switched back to the device plugin
+        again = await stub.NodePrepareResources(prepare_request(("train", "uid-a")), timeout=10)
+        assert devices_of(again, "uid-a") == devices_of(first, "uid-a")  # the kubelet asking again: the same answer
+        late = await stub.NodePrepareResources(prepare_request(("late", "uid-b")), timeout=10)
+        assert late.claims["uid-b"].error == (
+            f"claim {NS}/late: the node is in device-plugin mode, its GPUs are the device plugin's; a claim allocated "
+            "before the switch is not prepared (delete its pod)")
+        unprepared = await stub.NodeUnprepareResources(unprepare_request(("train", "uid-a")), timeout=10)
+    assert unprepared.claims["uid-a"].error == ""
+    assert node.checkpoint()["claims"] == {}
+    assert node.cdi_files() == []
+    node.close()
+
+
 # --- devices held by another claim ---------------------------------------------------------------------------
 
 
@@ -249,10 +273,10 @@ async def test_replicas_of_one_gpu_go_to_two_claims_but_not_one_replica_nor_the_
                                           timeout=10)
         # GPU 0 whole for one claim; then the sharing config changes and a replica of it is allocated.
         node.api.allocate("whole", "uid-w", ["gpu-0"])
-        await node.bus.update(config=parse_config("version: v1\n"))
+        await node.bus.update(config=parse_config(DRA_MODE))
         assert (await stub.NodePrepareResources(prepare_request(("whole", "uid-w")), timeout=10)
                 ).claims["uid-w"].error == ""
-        await node.bus.update(config=parse_config("version: v1\n" + SHARED))
+        await node.bus.update(config=parse_config(DRA_MODE + SHARED))
         answer = await stub.NodePrepareResources(prepare_request(("a", "uid-a")), timeout=10)
         assert answer.claims["uid-a"].error == (
             f"claim {NS}/a: device gpu-0-replica-0 is already prepared for claim {NS}/whole (uid-w) (as gpu-0, the "
@@ -261,7 +285,7 @@ async def test_replicas_of_one_gpu_go_to_two_claims_but_not_one_replica_nor_the_
         await stub.NodeUnprepareResources(unprepare_request(("whole", "uid-w")), timeout=10)
         assert (await stub.NodePrepareResources(prepare_request(("b", "uid-b")), timeout=10)
                 ).claims["uid-b"].error == ""
-        await node.bus.update(config=parse_config("version: v1\n"))
+        await node.bus.update(config=parse_config(DRA_MODE))
         answer = await stub.NodePrepareResources(prepare_request(("whole", "uid-w")), timeout=10)
         assert answer.claims["uid-w"].error == (
             f"claim {NS}/whole: device gpu-0 is already prepared for claim {NS}/b (uid-b) (as gpu-0-replica-1, the "
