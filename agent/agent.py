@@ -267,7 +267,8 @@ class Agent:
         return cached[1]
 
     def devices(self) -> dict[str, tuple[Device, ...]]:
-        resources = self.plans(self.bus.current).resources
+        """The devices of each resource the device plugin lists now."""
+        resources = self.plugin_plan(self.bus.current).resources
         served = self.served(resources)
         return {name: r.devices for name, r in resources.items() if name in served}
 
