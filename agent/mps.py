@@ -9,9 +9,10 @@ import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from agent.config import AgentConfig
 from agent.inventory import mps_shared_gpus
@@ -19,6 +20,8 @@ from agent.mps_client import mps_log_dir, mps_pipe_dir
 from agent.state import NodeState, StateBus
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CONTROL = "nvidia-cuda-mps-control"
 CHECK_INTERVAL_S = 5.0
@@ -153,16 +156,16 @@ class MpsDaemons:
             await asyncio.shield(self.stop_all())
 
     async def _converge(self, state: NodeState, check: bool) -> dict[str, str]:
+        """Each GPU's daemon is started, probed or stopped beside the others: a GPU whose control program is slow
+        or hangs (up to COMMAND_TIMEOUT_S a run) does not hold back the other GPUs' replicas, and on a busy node
+        eight daemons come up in about the time of one."""
         wanted = self.wanted(state)
         if isinstance(wanted, str):
             await self.stop_all()
             return {uuid: wanted for uuid in (g.uuid for g, _ in mps_shared_gpus(state))}
-        for uuid in [u for u, spec in self._running.items() if wanted.get(u) != spec]:
-            await self._stop(self._running.pop(uuid))
-        status: dict[str, str] = {}
-        for uuid, spec in wanted.items():
-            status[uuid] = await self._ensure(spec, check)
-        return status
+        changed = [u for u, spec in self._running.items() if wanted.get(u) != spec]
+        await _each(self._stop(self._running.pop(uuid)) for uuid in changed)
+        return dict(zip(wanted, await _each(self._ensure(spec, check) for spec in wanted.values()), strict=True))
 
     async def _ensure(self, spec: DaemonSpec, check: bool) -> str:
         """'' when the GPU's daemon is up (probed when `check`; started when needed), else why not."""
@@ -201,6 +204,12 @@ class MpsDaemons:
             log.warning("MPS control daemon of GPU %d did not stop cleanly: %s", spec.gpu_index, err)
 
     async def stop_all(self) -> None:
-        while self._running:
-            _, spec = self._running.popitem()
-            await self._stop(spec)
+        """Tell every daemon to quit, all at once."""
+        await _each(self._stop(self._running.pop(uuid)) for uuid in list(self._running))
+
+
+async def _each(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the calls side by side; their results in order (an error cancels the others and is raised)."""
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(call) for call in calls]
+    return [task.result() for task in tasks]

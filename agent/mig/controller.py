@@ -90,14 +90,15 @@ class MigController:
     def _layout(self, state: NodeState, name: str) -> MigLayout:
         return load_layouts(state.config.mig.layouts_file).layout(name)
 
-    async def _wait_for_pods(self, state: NodeState, plan: NodePlan) -> str | None:
-        """None once no pod holds a device of the GPUs to change; otherwise why the apply must not go on."""
+    async def _wait_for_pods(self, state: NodeState, plan: NodePlan, *, say_unchecked: bool = True) -> str | None:
+        """None once no pod holds a device of the GPUs to change; otherwise why the apply must not go on.
+        `say_unchecked`: warn when there is no PodResources socket to ask."""
         settings = state.config.mig
         changing = {p.index for p in plan.gpus if not p.noop}
         gpus = [g for g in state.inventory.gpus if g.index in changing]
         ids = {g.uuid for g in gpus} | {m.uuid for m in state.inventory.mig_devices if m.parent_index in changing}
         ask_kubelet = settings.pod_resources_socket.exists()
-        if not ask_kubelet:
+        if not ask_kubelet and say_unchecked:
             log.warning("no kubelet PodResources socket at %s: not checking for pods on the GPUs",
                         settings.pod_resources_socket)
         loop = asyncio.get_running_loop()
@@ -134,9 +135,18 @@ class MigController:
         changing = frozenset(g.uuid for g in state.inventory.gpus
                              if any(p.index == g.index and not p.noop for p in plan.gpus))
         if changing:
-            # Withdraw the GPUs' devices first: the kubelet stops placing pods on them.
+            fail_at_once = state.config.mig.busy_policy == "fail"
+            if fail_at_once:
+                # Pods that hold the GPUs fail the layout before anything is withdrawn: the kubelet (and the Node's
+                # Allocatable) keep the devices of the running pods through this try and each retry.
+                why = await self._wait_for_pods(self._bus.current, plan)
+                if why is not None:
+                    await self._finish(ApplyResult(name, "failed", why))
+                    return self._status()
+            # Withdraw the GPUs' devices, then look for pods (again): from now on the kubelet places none on them,
+            # and one it placed before is seen.
             await self._bus.update(draining=self._bus.current.draining | changing)
-            why = await self._wait_for_pods(self._bus.current, plan)
+            why = await self._wait_for_pods(self._bus.current, plan, say_unchecked=not fail_at_once)
             if why is not None:
                 await self._finish(ApplyResult(name, "failed", why), changing)
                 return self._status()

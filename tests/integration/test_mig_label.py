@@ -134,6 +134,7 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
         # trainer-0 holds GPUs 2 and 5 in one container; eval-0 holds GPU 5 too (a second container would be
         # another pod entry with the same GPU): the reason names the two held GPUs and each pod once.
         holding = {"trainer-0": [gpus[5].uuid, gpus[2].uuid], "eval-0": [gpus[5].uuid]}
+        lists = kubelet.plugins["nvidia.com/gpu"].updates
         async with pod_resources(directory, holding):
             await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
             await wait_until(lambda: node.view.labels.get(STATE) == "failed", timeout=30, what="failed")
@@ -142,7 +143,9 @@ async def test_pods_holding_the_gpus_fail_the_apply_naming_them() -> None:
             await wait_until(lambda: node.view.annotations.get(REASON) == f"{reason}; next try in 30s (retry 1 "
                              "of 5)", what="the retry announced")
             assert ("Warning", "MigConfigFailed", f"MIG layout all-1g.10gb: failed: {reason}") in node.events
-            await wait_until(lambda: counts(kubelet) == {"nvidia.com/gpu": 8}, what="the GPUs advertised again")
+            # busyPolicy fail looks for the pods before it withdraws anything: the kubelet was sent no new list,
+            # and the GPUs the pods hold never left it.
+            assert (kubelet.plugins["nvidia.com/gpu"].updates, counts(kubelet)) == (lists, {"nvidia.com/gpu": 8})
             assert not any(g.mig_enabled for g in agent.bus.current.inventory.gpus)
 
 
