@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole suite, stage by stage, printing how long each took: lint, the test rig, then pytest, then the
+# The whole suite, stage by stage, printing how long each took: lint, the test rigs, then pytest beside the
 # end-to-end tests; each pytest stage ends with its 25 slowest tests (--durations=25).
 #
 # On the Kubernetes release KUBE (1.35, 1.36, 1.37; default the newest). Without KUBE it then runs the tests that
@@ -77,12 +77,26 @@ if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-har
 if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.sh; fi
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
-# The fuzz tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
-# One after the other: beside the end-to-end tests, the timing of the rest of pytest's rigs (MPS daemons coming up,
-# Prometheus's alert windows) did not hold on 2 cores.
-stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 --ignore=tests/e2e
-stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q --durations=25 tests/e2e
-if [[ -z ${KUBE:-} && $oldest != "$release" ]]; then
-  echo "==> Kubernetes $oldest (the oldest supported release): the tests that depend on the release"
-  matrix "$oldest"
-fi
+# The end-to-end tests wait on a real kubelet, containerd and pods (little CPU), so they run beside the rest of pytest:
+# the newest release's, then the oldest release's that depend on the release, on the one cluster at a time, while
+# pytest runs the newest release's suite, then the oldest release's rig tests that depend on the release. The fuzz
+# tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
+check_oldest=false
+[[ -z ${KUBE:-} && $oldest != "$release" ]] && check_oldest=true
+if $check_oldest; then stage "Kubernetes $oldest (the oldest supported release): test rig" env KUBE="$oldest" hack/testbin.sh; fi
+end_to_end() {
+  stage "e2e (a real single-node cluster, hack/cluster)" .venv/bin/pytest -q --durations=25 tests/e2e || return
+  if $check_oldest; then
+    stage "Kubernetes $oldest: e2e that depends on the release (-m matrix)" \
+      env KUBE="$oldest" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e
+  fi
+}
+the_rest() {
+  stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 \
+    --ignore=tests/e2e || return
+  if $check_oldest; then
+    stage "Kubernetes $oldest: the tests that depend on the release (-m matrix)" env KUBE="$oldest" \
+      GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
+  fi
+}
+side_by_side "end to end, then the oldest release's" end_to_end -- "pytest, then the oldest release's rig tests" the_rest
