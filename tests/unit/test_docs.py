@@ -349,8 +349,8 @@ def test_event_and_condition_names_in_the_guide_are_the_agents() -> None:
     named = set(re.findall(r"\b(?:GPU|Mig|Config)[A-Z][A-Za-z]+\b", text)) - alerts - {"ConfigMap", "ConfigMaps"}
     known = set(EVENT_REASONS.values()) | {CONDITION_TYPE, "GPUsHealthy", "GPUUnhealthy", "NodeGPUFault"}
     assert named - known == set(), sorted(named - known)
-    assert {"GPUFault", "GPUWarning", "GPURecovered", "ConfigRejected", "ConfigApplied", "MigConfigApplied",
-            "MigConfigFailed", "MigConfigRebooting", CONDITION_TYPE} <= named
+    assert {"GPUFault", "GPUWarning", "GPURecovered", "ConfigRejected", "ConfigApplied", "ModeSwitched",
+            "MigConfigApplied", "MigConfigFailed", "MigConfigRebooting", CONDITION_TYPE} <= named
     reconciler = (REPO / "agent" / "kube" / "reconciler.py").read_text()
     for reason in ("GPUsHealthy", "GPUUnhealthy", "NodeGPUFault"):
         assert f'"{reason}"' in reconciler, reason
