@@ -346,7 +346,7 @@ def test_key_check_rejects_keys_the_agent_does_not_have() -> None:
 def test_event_and_condition_names_in_the_guide_are_the_agents() -> None:
     text = operations()
     alerts = set(re.findall(r"- alert: (\w+)", text))
-    named = set(re.findall(r"\b(?:GPU|Mig|Config)[A-Z][A-Za-z]+\b", text)) - alerts - {"ConfigMap", "ConfigMaps"}
+    named = set(re.findall(r"\b(?:GPU|Mig|Config|Mode)[A-Z][A-Za-z]+\b", text)) - alerts - {"ConfigMap", "ConfigMaps"}
     known = set(EVENT_REASONS.values()) | {CONDITION_TYPE, "GPUsHealthy", "GPUUnhealthy", "NodeGPUFault"}
     assert named - known == set(), sorted(named - known)
     assert {"GPUFault", "GPUWarning", "GPURecovered", "ConfigRejected", "ConfigApplied", "ModeSwitched",
