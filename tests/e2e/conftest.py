@@ -33,11 +33,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # DRA mode first (test_dra.py and test_dra_capacity.py move the node to DRA mode and back), then
+    # DRA mode first (test_dra.py and test_dra_shares.py move the node to DRA mode and back), then
     # test_pod_health.py, then test_mode_switch.py (the live switch, on eight whole GPUs): the other modules then find
     # the node as the cluster brought it up, and their MIG layouts do not reach it.
     here = Path(__file__).parent
-    first = [here / "test_dra.py", here / "test_dra_capacity.py", here / "test_pod_health.py",
+    first = [here / "test_dra.py", here / "test_dra_shares.py", here / "test_pod_health.py",
              here / "test_mode_switch.py"]
     dra = [item for path in first for item in items if Path(str(item.fspath)) == path]
     rest = [item for item in items if item not in dra]

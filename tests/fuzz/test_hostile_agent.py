@@ -14,7 +14,7 @@ import pytest
 
 from agent.config import load_config
 from tests.builders import AGENT, one_line, run_agent
-from tests.plugin_harness import running_agent, short_dir
+from tests.plugin_harness import running_agent, short_dir, wait_until
 
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 
@@ -84,10 +84,25 @@ async def test_a_pod_resources_socket_that_is_a_file_is_refused_at_reload_as_at_
     assert await reload_refused(tmp_path, config) == f"config reload rejected: {line}"
 
 
-async def test_dra_enabled_flipped_by_a_reload_is_refused_in_one_line(tmp_path: Path) -> None:
-    message = await reload_refused(tmp_path, "version: v1\ndra:\n  enabled: true\n")
-    assert message == (f"config reload rejected: {tmp_path / 'config.yaml'}: dra.enabled cannot change while the "
-                       "agent runs (the parts it starts depend on it); restart the agent to apply it")
+async def test_dra_enabled_flipped_by_a_reload_without_an_api_server_takes_the_gpus_off_the_device_plugin_and_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("version: v1\n")
+    async with running_agent("single-h200", load_config(path), config_path=path) as rig:
+        path.write_text("version: v1\ndra:\n  enabled: true\n")
+        assert await rig.agent.reload_config() is True
+        # DRA mode: whole GPUs are DRA's; with no API server nothing publishes them, and the log says so once.
+        await wait_until(lambda: "nvidia.com/gpu" not in rig.agent.plugins.plugins, 10, "nvidia.com/gpu stopped")
+        assert rig.agent.dra is None
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            "DRA mode: no API server client; no ResourceSlice is published"]
+        path.write_text("version: v1\n")
+        assert await rig.agent.reload_config() is True
+        await rig.kubelet.wait_for({"nvidia.com/gpu"}, 10)
+        await wait_until(lambda: len(rig.devices()) == 1, 10, "the GPU through the device plugin again")
+        assert [i.message for i in rig.agent.bus.current.incidents if i.kind == "mode-switched"] == [
+            "switching to DRA mode with the pods on the GPUs kept",
+            "switching to device-plugin mode with the pods on the GPUs kept"]
 
 
 async def test_a_machine_type_file_that_is_a_fifo_is_not_waited_on(tmp_path: Path, kubelet_dir: Path) -> None:
