@@ -6,7 +6,7 @@ test is in test_dra.py, on the node that module moves to DRA mode (the kubelet t
 DRAResourceHealth.NodeWatchResources); the reading of the status is pod_status.py's.
 
 The cluster turns the gate on (kubelet and kube-apiserver) only where its release leaves it off
-(hack/cluster/lib.sh, `gates_off_by_default`)."""
+(hack/cluster/lib.sh, `gates_off_by_default`), and DRAExtendedResource likewise."""
 
 from __future__ import annotations
 
@@ -21,22 +21,25 @@ from tests.releases import on_by_default, release_name
 pytestmark = [pytest.mark.timeout(420), pytest.mark.matrix]
 
 
-def test_the_cluster_turns_the_gate_on_only_where_the_release_leaves_it_off(cluster: Cluster) -> None:
+KUBELET_GATES = (GATE, "DRAExtendedResource")
+"""The gates the cluster's kubelet and kube-apiserver need (hack/cluster/lib.sh): the pod-status health, and pods
+asking for nvidia.com/gpu served through DRA (test_mode_switch.py)."""
+
+
+def test_the_cluster_turns_the_gates_on_only_where_the_release_leaves_them_off(cluster: Cluster) -> None:
     release = cluster.release()
-    default_on = on_by_default(GATE, release)
-    print(f"Kubernetes {release_name(release)}: {GATE} {'on' if default_on else 'off'} by default")
+    off = [gate for gate in KUBELET_GATES if not on_by_default(gate, release)]
+    print(f"Kubernetes {release_name(release)}: off by default: {', '.join(off) or 'none of ' + str(KUBELET_GATES)}")
     kubelet_config = (RUN_DIR / "kubelet" / "config.yaml").read_text()
     apiserver_pid = (RUN_DIR / "pids" / "kube-apiserver.pid").read_text().strip()
     apiserver_args = (Path("/proc") / apiserver_pid / "cmdline").read_bytes().decode().split("\0")
     # The API server's gates, from each --feature-gates=A=true,B=true (others the release leaves off may be there).
     apiserver_gates = {gate for arg in apiserver_args if arg.startswith("--feature-gates=")
                        for gate in arg.split("=", 1)[1].split(",")}
-    if default_on:
-        assert GATE not in kubelet_config
-        assert not [gate for gate in apiserver_gates if gate.startswith(f"{GATE}=")]
-    else:
-        assert f"featureGates: {{{GATE}: true}}" in kubelet_config.splitlines()
-        assert f"{GATE}=true" in apiserver_gates
+    lines = [line for line in kubelet_config.splitlines() if line.startswith("featureGates:")]
+    assert lines == ([f"featureGates: {{{', '.join(f'{gate}: true' for gate in off)}}}"] if off else [])
+    for gate in KUBELET_GATES:
+        assert (f"{gate}=true" in apiserver_gates) == (gate in off), gate
 
 
 def test_an_xid_on_a_pods_gpu_shows_in_its_status_until_the_gpu_recovers(cluster: Cluster) -> None:
