@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,8 @@ from agent.nvml.fake import FakeNvml
 from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import NodeSpec, load_node
 from agent.nvml.records import GpuInfo
+from agent.podresources_v1 import api_pb2 as pr
+from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.state import NodeState, StateBus
 from agent.topology.model import Topology
 from agent.topology.prefer import Preferences
@@ -231,6 +233,45 @@ def refusal(call: object) -> tuple[grpc.StatusCode, str]:
 def allocate(served: Served, *requests: list[str]) -> api_pb2.AllocateResponse:
     return served.stub.Allocate(api_pb2.AllocateRequest(
         container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in requests]))
+
+
+# --- the kubelet's PodResources API ------------------------------------------------------------------------------
+
+
+class StandInPodResources(pr_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources v1 Lister: List answers the devices each pod's one container ("main", namespace
+    "ml") holds, by resource, as the kubelet does (a replica as `<uuid>::<n>`)."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, list[str]]] = {}
+        """By pod name: device IDs by resource name."""
+        self.failing = False
+        """List answers UNAVAILABLE, as a kubelet does while its pod manager is not synced yet."""
+        self.lists = 0
+
+    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
+                   ) -> pr.ListPodResourcesResponse:
+        self.lists += 1
+        if self.failing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod manager not synced")
+        return pr.ListPodResourcesResponse(pod_resources=[
+            pr.PodResources(namespace="ml", name=name, containers=[pr.ContainerResources(name="main", devices=[
+                pr.ContainerDevices(resource_name=resource, device_ids=ids) for resource, ids in held.items()])])
+            for name, held in self.pods.items()])
+
+
+@contextlib.asynccontextmanager
+async def pod_resources(socket: Path) -> AsyncIterator[StandInPodResources]:
+    """StandInPodResources serving on the unix socket `socket` until the block ends."""
+    lister = StandInPodResources()
+    server = grpc.aio.server()
+    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    server.add_insecure_port(f"unix://{socket}")
+    await server.start()
+    try:
+        yield lister
+    finally:
+        await server.stop(None)
 
 
 # --- the docs ---------------------------------------------------------------------------------------------------

@@ -68,11 +68,31 @@ def rolled_out(cluster: Cluster) -> None:
     cluster.kubectl("rollout", "status", "-n", NAMESPACE, "daemonset/gpu-node-agent", "--timeout=120s", timeout=140)
 
 
+def agent_setup(cluster: Cluster) -> tuple[Any, Any]:
+    """The agent's DaemonSet pod spec and its config, to compare after a module went back to device-plugin mode."""
+    return (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
+            cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
+
+
+def device_plugin_mode_again(cluster: Cluster) -> None:
+    """docs/dra.md, going back: the device-plugin DaemonSet and config again, the DRA objects deleted, and every GPU
+    through the device plugin again."""
+    cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
+    cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
+    rolled_out(cluster)
+    eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+
+
+def left_as_before(cluster: Cluster, before: tuple[Any, Any]) -> None:
+    """The DaemonSet's pods and the config exactly as `before` (no DRA mount, no dra key), and no DRA registration."""
+    assert agent_setup(cluster) == before
+    assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
+
+
 def dra_mode(cluster: Cluster) -> Iterator[Cluster]:
     """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left."""
     assert cluster.allocatable() == "8"
-    before = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-              cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
+    before = agent_setup(cluster)
     started = time.monotonic()
     cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
     try:
@@ -82,17 +102,9 @@ def dra_mode(cluster: Cluster) -> Iterator[Cluster]:
         yield cluster
     finally:
         back = time.monotonic()
-        # docs/dra.md, going back: the device-plugin DaemonSet and config again, the DRA objects deleted.
-        cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
-        cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
-        rolled_out(cluster)
-        eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+        device_plugin_mode_again(cluster)
         TIMES["device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
-    # The DaemonSet's pods and the config exactly as before: no DRA mount, no dra key.
-    after = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-             cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
-    assert after == before
-    assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
+    left_as_before(cluster, before)
     # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
     eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
     TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back

@@ -29,13 +29,14 @@ from dra_mode import (
     CHECKPOINT,
     DRIVER,
     NVIDIA_MAJOR,
-    REGISTRY,
     agent_log,
+    agent_setup,
     claim_pod,
+    device_plugin_mode_again,
+    left_as_before,
     node_slices,
     preset_gpus,
     rolled_out,
-    sockets,
     the_slice,
 )
 
@@ -150,8 +151,7 @@ def capacity_node(cluster: Cluster) -> Iterator[Cluster]:
     device-plugin mode as dra_mode.py leaves it: the DaemonSet and config as before, no DRA registration, no slice."""
     assert cluster.allocatable() == "8"
     capacity = capacity_on(cluster)
-    before = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-              cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
+    before = agent_setup(cluster)
     try:
         write_kustomization(cluster)
         started = time.monotonic()
@@ -168,16 +168,9 @@ def capacity_node(cluster: Cluster) -> Iterator[Cluster]:
             yield cluster
         finally:
             back = time.monotonic()
-            # As dra_mode.py goes back: the device-plugin DaemonSet and config again, the DRA objects deleted.
-            cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
-            cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
-            rolled_out(cluster)
-            eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+            device_plugin_mode_again(cluster)
             TIMES["DRA shared capacity: device-plugin mode applied again -> Allocatable 8"] = time.monotonic() - back
-        after = (cluster.get("daemonset", "-n", NAMESPACE, "gpu-node-agent")["spec"]["template"]["spec"],
-                 cluster.get("configmap", "-n", NAMESPACE, "gpu-node-agent-config")["data"])
-        assert after == before
-        assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
+        left_as_before(cluster, before)
         eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
         # The agent stopped GPU 0's MPS daemon when it left (the daemon's last line).
         eventually(lambda: control_log().read_text().splitlines()[-1] == "stopped", 30,

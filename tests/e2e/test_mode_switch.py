@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from cluster import NAMESPACE, NODE, REPO, RUN_DIR, TIMES, Cluster, eventually, gpu_pod
-from dra_mode import SLICE, node_slices, rolled_out
+from dra_mode import SLICE, device_plugin_mode_again, node_slices, rolled_out
 from pod_status import gpu_indices, wait_running
 
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
@@ -68,12 +68,9 @@ def switchable(cluster: Cluster) -> Iterator[Cluster]:
     finally:
         cluster.delete_pods("held", "mapped", "after")
         cluster.kubectl("label", "node", NODE, f"{CONFIG_LABEL}-")
-        cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize"))
+        device_plugin_mode_again(cluster)
         cluster.kubectl("delete", "configmap", "-n", NAMESPACE, "gpu-node-agent-configs", "--ignore-not-found")
-        cluster.kubectl("delete", "-k", str(REPO / "deployments" / "dra"), "--ignore-not-found", "--wait=true")
         cluster.kubectl("delete", "-f", str(MAPPING), "--ignore-not-found")
-        rolled_out(cluster)
-        eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
         eventually(lambda: node_slices(cluster) == [], 60, "the node's ResourceSlices gone")
         shutil.rmtree(KUSTOMIZE, ignore_errors=True)
 

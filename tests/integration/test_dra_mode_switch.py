@@ -8,9 +8,8 @@ plugin every GPU again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,8 +20,7 @@ from dra_rig import create_schedulable_node, delete_node, slices_of
 from agent.config import parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
 from agent.kube.node import NodeApi
-from agent.podresources_v1 import api_pb2 as pr
-from agent.podresources_v1 import api_pb2_grpc as pr_grpc
+from tests.builders import pod_resources
 from tests.plugin_harness import running_agent, short_dir, wait_until
 
 NODE = "switch-node"
@@ -33,33 +31,6 @@ def folder() -> Iterator[Path]:
     path = short_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-class PodResources(pr_grpc.PodResourcesListerServicer):
-    """The kubelet's v1 Lister: the GPUs the device plugin's pods hold, by pod."""
-
-    def __init__(self) -> None:
-        self.pods: dict[str, list[str]] = {}
-
-    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
-                   ) -> pr.ListPodResourcesResponse:
-        return pr.ListPodResourcesResponse(pod_resources=[
-            pr.PodResources(namespace="ml", name=name, containers=[pr.ContainerResources(name="main", devices=[
-                pr.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)])])
-            for name, ids in self.pods.items()])
-
-
-@contextlib.asynccontextmanager
-async def pod_resources(socket: Path) -> AsyncIterator[PodResources]:
-    lister = PodResources()
-    server = grpc.aio.server()
-    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    server.add_insecure_port(f"unix://{socket}")
-    await server.start()
-    try:
-        yield lister
-    finally:
-        await server.stop(None)
 
 
 def slice_devices(apiserver: ApiServer) -> list[str] | None:
@@ -86,7 +57,7 @@ async def test_a_reload_switches_to_dra_and_back_offering_only_what_pods_do_not_
                 uuids = [rig.uuid(i) for i in range(8)]
                 assert len(rig.devices()) == 8
                 assert rig.agent.dra is None  # device-plugin mode: no DRA part made
-                lister.pods = {"trainer": [uuids[2], uuids[5]]}
+                lister.pods = {"trainer": {"nvidia.com/gpu": [uuids[2], uuids[5]]}}
 
                 path.write_text(common + "true}\n")
                 assert await rig.agent.reload_config()

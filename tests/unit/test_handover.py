@@ -12,7 +12,6 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from agent.checks import start_only_changes
@@ -21,48 +20,12 @@ from agent.dra.slices import mig_device_name, slice_spec
 from agent.handover import POLL_S, Handover
 from agent.inventory import GPU_RESOURCE, PlanCache, plan
 from agent.podresources import CLAIM, DeviceHolder
-from agent.podresources_v1 import api_pb2 as pr
-from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.state import NodeState, StateBus
-from tests.builders import node
+from tests.builders import node, pod_resources
 from tests.plugin_harness import short_dir, wait_until
 
 DRA = "version: v1\ndra:\n  enabled: true\nmig:\n  podResourcesSocket: {socket}\n"
 PLUGIN = "version: v1\nmig:\n  podResourcesSocket: {socket}\n"
-
-
-class Kubelet(pr_grpc.PodResourcesListerServicer):
-    """The kubelet's v1 Lister: List answers the devices each pod's container holds, by resource."""
-
-    def __init__(self) -> None:
-        self.pods: dict[str, dict[str, list[str]]] = {}
-        """By pod name: device IDs by resource name."""
-        self.failing = False
-        """List answers UNAVAILABLE, as a kubelet does while its pod manager is not synced yet."""
-        self.lists = 0
-
-    async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
-                   ) -> pr.ListPodResourcesResponse:
-        self.lists += 1
-        if self.failing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "pod manager not synced")
-        return pr.ListPodResourcesResponse(pod_resources=[
-            pr.PodResources(namespace="ml", name=name, containers=[pr.ContainerResources(name="main", devices=[
-                pr.ContainerDevices(resource_name=resource, device_ids=ids) for resource, ids in held.items()])])
-            for name, held in self.pods.items()])
-
-
-@contextlib.asynccontextmanager
-async def kubelet(folder: Path) -> AsyncIterator[Kubelet]:
-    lister = Kubelet()
-    server = grpc.aio.server()
-    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    server.add_insecure_port(f"unix://{folder / 'kubelet.sock'}")
-    await server.start()
-    try:
-        yield lister
-    finally:
-        await server.stop(None)
 
 
 @contextlib.asynccontextmanager
@@ -94,7 +57,7 @@ async def test_a_switch_to_dra_keeps_the_gpus_pods_hold_through_the_device_plugi
     uuids = [g.uuid for g in before.inventory.gpus]
     switched = before.evolve(config=parse_config(DRA.format(socket=folder / "kubelet.sock")), handover=True)
     assert slice_devices(switched) == []  # nothing offered until what pods hold is known
-    async with kubelet(folder) as lister:
+    async with pod_resources(folder / "kubelet.sock") as lister:
         lister.pods = {"trainer": {GPU_RESOURCE: [uuids[2], uuids[5]], "example.com/nic": ["nic-0"]},
                        "notebook": {GPU_RESOURCE: [uuids[7]]}}
         async with handing_over(switched) as bus:
@@ -122,7 +85,7 @@ async def test_time_sliced_replicas_hold_their_gpu_and_resources_the_device_plug
     state = node("dgx-h100", config, mig={0: [("1g.10gb", 0)]}).evolve(handover=True)
     uuids = [g.uuid for g in state.inventory.gpus]
     [mig] = state.inventory.mig_devices
-    async with kubelet(folder) as lister:
+    async with pod_resources(folder / "kubelet.sock") as lister:
         # A replica of GPU 3 through nvidia.com/gpu (DRA's now); a MIG device through its own resource, which the
         # device plugin still serves in DRA mode: that one is the device plugin's business, not held.
         lister.pods = {"a": {GPU_RESOURCE: [f"{uuids[3]}::1"]}, "b": {"nvidia.com/mig-1g.10gb": [mig.uuid]}}
@@ -138,7 +101,7 @@ async def test_a_kubelet_that_does_not_answer_keeps_every_whole_gpu_unoffered_an
     socket = folder / "kubelet.sock"
     state = node("dgx-h100", DRA.format(socket=socket)).evolve(handover=True)
     caplog.set_level(logging.WARNING, "agent.handover")
-    async with kubelet(folder) as lister, handing_over(state) as bus:
+    async with pod_resources(folder / "kubelet.sock") as lister, handing_over(state) as bus:
         lister.failing = True
         lister.pods = {"trainer": {GPU_RESOURCE: [state.inventory.gpus[0].uuid]}}
         await wait_until(lambda: lister.lists >= 3, 10, "three reads")  # retried, backing off: 0.5 s, then 1 s
