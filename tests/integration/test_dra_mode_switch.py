@@ -15,10 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 from apiserver import ApiServer
-from dra_rig import create_schedulable_node, delete_node, slices_of
+from dra_rig import DRIVER, create_schedulable_node, delete_node, slices_of
 
 from agent.config import parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.dra.claims import ClaimStore, Paths, Prepared
+from agent.dra.v1 import api_pb2 as dra_v1
+from agent.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from agent.handover import POLL_S
 from agent.kube.node import NodeApi
 from tests.builders import pod_resources
 from tests.plugin_harness import running_agent, short_dir, wait_until
@@ -93,3 +97,39 @@ async def test_a_reload_switches_to_dra_and_back_offering_only_what_pods_do_not_
                                     "switching to device-plugin mode with the pods on the GPUs kept"]
     finally:
         await asyncio.to_thread(delete_node, apiserver, NODE)
+
+
+async def test_an_agent_started_in_device_plugin_mode_with_prepared_claims_unprepares_them_and_keeps_their_gpus(
+        apiserver: ApiServer, dra_kubeconfig: Path, folder: Path) -> None:
+    """Switched back, then restarted: the claim prepared in DRA mode is in the checkpoint. The agent serves its
+    unprepare through its DRA plugin, publishes no slice, and keeps the claim's GPU out of the device plugin until
+    the kubelet unprepared it."""
+    config = parse_config(f"version: v1\nmig: {{stateDir: {folder}/state, podResourcesSocket: {folder}/pr.sock}}\n"
+                          f"dra: {{cdiRoot: {folder}/cdi}}\n")
+    kubelet_dir = folder / "kubelet" / "device-plugins"
+    kubelet_dir.mkdir(parents=True)
+    paths = Paths.under(folder / "kubelet", DRIVER, folder / "cdi")
+    paths.lock.mkdir(parents=True)
+    paths.cdi_dir.mkdir(parents=True)
+    store = ClaimStore(paths, DRIVER)
+    store.put("uid-a", "ml", "train", [Prepared(("gpus",), NODE, "gpu-3", (f"{DRIVER}/gpu=claim-uid-a",))],
+              {"cdiVersion": "0.6.0", "kind": f"{DRIVER}/gpu", "devices": []})
+    await asyncio.to_thread(create_schedulable_node, apiserver, NODE)
+    try:
+        api = await NodeApi.connect(dra_kubeconfig, NODE)
+        async with running_agent("dgx-h100", config, kube=api, directory=kubelet_dir) as rig:
+            uuids = [rig.uuid(i) for i in range(8)]
+            assert rig.agent.dra is not None
+            assert [d.ID for d in rig.devices()] == [u for i, u in enumerate(uuids) if i != 3]
+            assert rig.agent.bus.current.held == {uuids[3]}
+            assert paths.registration.is_socket()
+            async with grpc.aio.insecure_channel(f"unix://{paths.endpoint}") as channel:
+                answer = await dra_v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+                    dra_v1.NodeUnprepareResourcesRequest(claims=[dra_v1.Claim(namespace="ml", uid="uid-a",
+                                                                              name="train")]), timeout=10)
+            assert answer.claims["uid-a"].error == ""
+            await wait_until(lambda: len(rig.devices()) == 8, 2 * POLL_S + 1, "GPU 3 back in the device plugin")
+            assert slices_of(apiserver, NODE) == []  # device-plugin mode publishes nothing
+    finally:
+        await asyncio.to_thread(delete_node, apiserver, NODE)
+    assert ClaimStore(paths, DRIVER).claims == {}
