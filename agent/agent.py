@@ -243,11 +243,11 @@ class Agent:
         reads what pods hold (NodeState.handover), not the whole GPUs (plugin_resources). A resource DRA took
         over stays registered, with no devices, while pods hold its devices (NodeState.held, or not known yet):
         the kubelet starts their containers (and DRA's pods that ask for the same name) only through a plugin
-        it still knows."""
+        it still knows. No plugin stops for a handover either way: it lists no devices until the handover ends."""
         state = self.bus.current
         dra = state.config.dra
         served = plugin_resources(resources, dra.enabled or state.handover, dra.dynamic_mig)
-        if dra.enabled and (state.handover or state.held):
+        if state.handover or (dra.enabled and state.held):
             served |= set(self.plugins.plugins)
         return served
 
