@@ -11,7 +11,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agent.checks import StartupError, check_on_node, check_paths, machine_type, start_only_changes
+from agent.checks import (
+    StartupError,
+    check_dra_sockets,
+    check_on_node,
+    check_paths,
+    machine_type,
+    start_only_changes,
+)
 from agent.config import ConfigError, DraSettings, config_file, load_config, with_health_env
 from agent.deviceplugin.response import NodeFiles
 from agent.metrics import Metrics
@@ -64,6 +71,15 @@ class ConfigReload:
             return await self._reject("\n".join(f"{path}: {line}" for line in str(err).splitlines()))
         if (start_only := start_only_changes(self.dra_made(), new)) is not None:
             return await self._reject(f"{path}: {start_only}")
+        if new.dra.enabled and self.dra_made() is None:  # a first switch to DRA mode: its sockets as start checks them
+            from agent.dra.claims import Paths
+
+            paths = Paths.under(self.options.kubelet_dir.parent, new.dra.driver_name, new.dra.cdi_root,
+                                self.options.pod_uid)
+            try:
+                check_dra_sockets(paths.registration, paths.endpoint)
+            except StartupError as err:
+                return await self._reject(str(err))
         if new.health.taint != self.bus.current.config.health.taint:
             from agent.kube.selfpod import check_reloaded
 

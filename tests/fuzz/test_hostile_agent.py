@@ -105,6 +105,21 @@ async def test_dra_enabled_flipped_by_a_reload_without_an_api_server_takes_the_g
             "switching to device-plugin mode with the pods on the GPUs kept"]
 
 
+async def test_a_switch_to_dra_whose_sockets_do_not_fit_is_refused_at_reload_as_at_start(tmp_path: Path) -> None:
+    top = short_dir()
+    try:
+        kubelet_dir = top / ("k" * 20) / "device-plugins"
+        kubelet_dir.mkdir(parents=True)
+        driver = "gpu." + "d" * 55 + ".io"  # 62 characters: a valid driver name whose sockets do not fit here
+        socket = kubelet_dir.parent / "plugins_registry" / f"{driver}-reg.sock"
+        message = await reload_refused(tmp_path, f"version: v1\ndra:\n  enabled: true\n  driverName: {driver}\n",
+                                       directory=kubelet_dir)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    assert message == (f"config reload rejected: DRA socket {socket} is {len(str(socket))} bytes long: a socket path "
+                       "holds at most 107 bytes (use a shorter dra.driverName or kubelet directory)")
+
+
 async def test_a_machine_type_file_that_is_a_fifo_is_not_waited_on(tmp_path: Path, kubelet_dir: Path) -> None:
     fifo = tmp_path / "product_name"
     os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
