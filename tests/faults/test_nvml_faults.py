@@ -41,7 +41,8 @@ def free_port() -> int:
 
 
 async def http_get(port: int, path: str) -> tuple[int, str] | None:
-    """One HTTP/1.0 GET on loopback; None while nothing listens yet."""
+    """One HTTP/1.0 GET on loopback; None while nothing listens yet, and where the agent's process exited in the
+    middle of the request (the connection reset: no answer)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
     except (OSError, TimeoutError):
@@ -50,6 +51,8 @@ async def http_get(port: int, path: str) -> tuple[int, str] | None:
         writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        return None
     finally:
         writer.close()
     head, _, body = raw.decode().partition("\r\n\r\n")
