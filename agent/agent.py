@@ -217,6 +217,8 @@ class Agent:
         kubelet directory's lock go (it stops), then starts."""
         await self.footing.lock.wait()
         self.taken_over.set()
+        if self.dra is not None:  # the old agent wrote slices until now, perhaps of another shape: check them
+            self.dra.slices.republish()
         log.info("took over the kubelet directory %s: serving the device plugin, MIG manager, MPS daemons and the "
                  "Node", self.options.kubelet_dir)
         self._spawn_owned()
