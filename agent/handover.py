@@ -54,9 +54,10 @@ class Handover:
                 # The device plugin served the GPUs until this state: an Allocate the kubelet sent before it is
                 # in the kubelet's record once this much has passed.
                 await asyncio.sleep(SETTLE_S)
-            if state.handover or state.held or (not dra and self._claims() is not None):
+            claims = None if dra else self._claims()  # read once a pass: it looks at the DRA checkpoint
+            if state.handover or state.held or claims is not None:
                 try:
-                    held = await self._read(state) if dra else self._prepared(state)
+                    held = await self._read(state) if dra else self._prepared(state, claims or [])
                 except PodResourcesUnavailable as err:
                     if str(err) != failing:
                         log.warning("cannot read which GPUs pods hold through the device plugin (%s): %s until "
@@ -73,7 +74,7 @@ class Handover:
                     self._say(state, held, dra)
                     await bus.update(held=held, handover=False)
                     continue
-            polling = bool(state.held) or (not dra and self._claims() is not None)
+            polling = bool(state.held) or claims is not None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S if polling else None):
                     await bus.wait_newer(state.version)
@@ -100,10 +101,10 @@ class Handover:
         resources = self._plans(state).resources
         return plugin_resources(resources, True, state.config.dra.dynamic_mig)
 
-    def _prepared(self, state: NodeState) -> frozenset[str]:
-        """Device-plugin mode: the node's devices the prepared DRA claims hold."""
+    def _prepared(self, state: NodeState, claims: list[DeviceHolder]) -> frozenset[str]:
+        """Device-plugin mode: the node's devices the prepared DRA claims (`claims`) hold."""
         owned = self._owned(state)
-        return frozenset(h.device_id for h in self._claims() or [] if h.device_id in owned)
+        return frozenset(h.device_id for h in claims if h.device_id in owned)
 
     def _say(self, state: NodeState, held: frozenset[str], dra: bool) -> None:
         through = "the device plugin" if dra else "DRA claims"
