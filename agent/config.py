@@ -422,6 +422,8 @@ class MigSettings(_Strict):
     pod_resources_socket: Path = Field(
         default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"), alias="podResourcesSocket"
     )
+    """The kubelet's PodResources socket. Where the config does not set it, the one beside the agent's kubelet
+    directory (`beside_kubelet`): <kubelet root>/pod-resources/kubelet.sock."""
     busy_policy: Literal["fail", "wait"] = Field(default="fail", alias="busyPolicy")
     """When pods hold devices of a GPU to change: fail at once naming them, or wait for them to end."""
     busy_wait_seconds: StrictFloat = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
@@ -678,6 +680,19 @@ def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
     except InputFileError as err:
         raise ConfigError(f"{chosen}: cannot read config: {err.reason}") from None
     return parse_config(text, str(chosen))
+
+
+def beside_kubelet(config: AgentConfig, kubelet_dir: Path) -> AgentConfig:
+    """`config` with `mig.podResourcesSocket`, where the config does not set it, the kubelet's beside the device
+    plugin directory the agent serves (`kubelet_dir`, --kubelet-dir): <kubelet root>/pod-resources/kubelet.sock, as
+    the DRA sockets are under <kubelet root>. The default --kubelet-dir gives the default path; a kubelet with
+    another root (k0s, MicroK8s) needs --kubelet-dir alone. It still counts as not set (check_paths)."""
+    mig = config.mig
+    socket = kubelet_dir.parent / "pod-resources" / "kubelet.sock"
+    if "pod_resources_socket" in mig.model_fields_set or mig.pod_resources_socket == socket:
+        return config
+    moved = MigSettings.model_construct(mig.model_fields_set, **{**dict(mig), "pod_resources_socket": socket})
+    return config.model_copy(update={"mig": moved})
 
 
 DISABLE_HEALTH_ENV = "DP_DISABLE_HEALTHCHECKS"

@@ -34,7 +34,7 @@ from agent.checks import (
     check_sockets,
     machine_type,
 )
-from agent.config import AgentConfig, DraSettings
+from agent.config import AgentConfig, DraSettings, beside_kubelet
 from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
@@ -79,6 +79,10 @@ class AgentOptions:
     during a rolling update with surge. The DRA sockets carry it in their names; a new agent whose node still
     runs the old one serves DRA at once (in DRA mode) and the rest once the old one stops (docs/dra.md, "Rolling
     updates"). Without it, a second agent on a node is refused."""
+
+    def __post_init__(self) -> None:
+        # The kubelet's PodResources socket, unless the config names one, is the one beside `kubelet_dir`.
+        object.__setattr__(self, "config", beside_kubelet(self.config, self.kubelet_dir))
 
 
 class NvmlThread:

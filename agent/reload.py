@@ -19,7 +19,7 @@ from agent.checks import (
     machine_type,
     start_only_changes,
 )
-from agent.config import ConfigError, DraSettings, config_file, load_config, with_health_env
+from agent.config import ConfigError, DraSettings, beside_kubelet, config_file, load_config, with_health_env
 from agent.deviceplugin.response import NodeFiles
 from agent.metrics import Metrics
 from agent.state import StateBus
@@ -56,7 +56,7 @@ class ConfigReload:
             raise ValueError("the agent was started without a config file to reload")
         name = self.bus.current.config_request
         try:
-            new, _ = with_health_env(load_config(path, name), os.environ)
+            new, _ = with_health_env(beside_kubelet(load_config(path, name), self.options.kubelet_dir), os.environ)
         except ConfigError as err:
             return await self._reject(str(err))
         if new == self.bus.current.config:

@@ -81,6 +81,9 @@ stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cl
 # the newest release's, then the oldest release's that depend on the release, on the one cluster at a time, while
 # pytest runs the newest release's suite, then the oldest release's rig tests that depend on the release. The fuzz
 # tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
+# A cluster left by a run stopped with the machine (none of its processes alive) is taken down first: its kubelet
+# directory and pod namespaces would otherwise be in every test's way.
+if [[ $EUID == 0 ]]; then hack/cluster/down.sh --quiet --if-stale; fi
 check_oldest=false
 [[ -z ${KUBE:-} && $oldest != "$release" ]] && check_oldest=true
 if $check_oldest; then stage "Kubernetes $oldest (the oldest supported release): test rig" env KUBE="$oldest" hack/testbin.sh; fi

@@ -7,17 +7,31 @@
 # changed, and removes every file and directory it created. The logs of the
 # run are kept in .cache/cluster/last-logs. Safe to run with nothing up.
 #
-# usage: hack/cluster/down.sh [--quiet]
+# usage: hack/cluster/down.sh [--quiet] [--if-stale]
+#   --if-stale  only a cluster none of whose processes is alive (left by a run
+#               stopped with the machine): a running one is left alone
 set -euo pipefail
 # shellcheck source=hack/cluster/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-quiet=false
-[[ ${1:-} == --quiet ]] && quiet=true
+quiet=false if_stale=false
+for arg in "$@"; do
+    case $arg in
+        --quiet) quiet=true ;;
+        --if-stale) if_stale=true ;;
+        *) die "usage: hack/cluster/down.sh [--quiet] [--if-stale]" ;;
+    esac
+done
 [[ $EUID == 0 ]] || die "run as root"
 
 if [[ ! -d $run_dir && ! -e /run/netns/$netns ]]; then
     $quiet || clog "no cluster is running"
     exit 0
+fi
+if $if_stale; then
+    for name in "${daemons[@]}"; do
+        daemon_pid "$name" >/dev/null && exit 0
+    done
+    clog "a cluster none of whose processes is alive was left in $run_dir: taking it down"
 fi
 t0=$(date +%s.%N)
 sock=$run_dir/containerd/containerd.sock
@@ -51,10 +65,16 @@ for ns in json.load(sys.stdin).get("Spec", {}).get("linux", {}).get("namespaces"
         done
         ctr_ containers delete "$id" >/dev/null 2>&1 || true
     done
+elif [[ -f $run_dir/unmount-after ]] && mountpoint -q /run/netns; then
+    # containerd is gone (a run killed with the machine, say) and cannot name its pods' namespaces. /run/netns
+    # was mounted by up.sh, so every CNI namespace in it is one of our pods': those no process is in go.
+    for path in /run/netns/cni-*; do
+        [[ -e $path && -z $(ip netns pids "${path##*/}" 2>/dev/null) ]] && pod_netns+=("$path")
+    done
 fi
 
 # 3. The control plane, then containerd.
-for name in kube-scheduler kube-controller-manager kube-apiserver etcd containerd; do
+for name in "${daemons[@]:1}"; do
     stop_daemon "$name" 15
 done
 

@@ -97,6 +97,8 @@ outside_paths=(
     /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns /run/cdi
 )
 # The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.
+# The cluster's daemons, in the order down.sh stops them (the kubelet first, so that it restarts nothing).
+daemons=(kubelet kube-scheduler kube-controller-manager kube-apiserver etcd containerd)
 kubelet_sysctls=(
     vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
     kernel.keys.root_maxkeys kernel.keys.root_maxbytes
@@ -113,11 +115,23 @@ start_daemon() {
     echo $! >"$pids_dir/$name.pid"
 }
 
+# usage: is_daemon PID NAME  true while PID runs the daemon NAME: not ended (a zombie has), and still that
+# program (after a machine restarts, another process may have the number)
+is_daemon() {
+    local stat argv0
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    [[ ${stat:0:1} != Z ]] || return 1
+    argv0=
+    IFS= read -r -d '' argv0 <"/proc/$1/cmdline" 2>/dev/null || [[ -n $argv0 ]] || return 1
+    [[ ${argv0##*/} == "$2" ]]
+}
+
 daemon_pid() {
     local f=$pids_dir/$1.pid pid
     [[ -f $f ]] || return 1
     pid=$(<"$f")
-    [[ -d /proc/$pid ]] || return 1
+    is_daemon "$pid" "$1" || return 1
     echo "$pid"
 }
 
@@ -127,13 +141,13 @@ stop_daemon() {
     if pid=$(daemon_pid "$name"); then
         kill -TERM "$pid" 2>/dev/null || true
         for ((i = 0; i < wait_s * 10; i++)); do
-            [[ -d /proc/$pid ]] || break
+            is_daemon "$pid" "$name" || break
             sleep 0.1
         done
-        if [[ -d /proc/$pid ]]; then
+        if is_daemon "$pid" "$name"; then
             clog "$name did not stop in ${wait_s}s; killing it"
             kill -KILL "$pid" 2>/dev/null || true
-            while [[ -d /proc/$pid ]]; do sleep 0.1; done
+            while is_daemon "$pid" "$name"; do sleep 0.1; done
         fi
     fi
     rm -f "$pids_dir/$name.pid"

@@ -43,6 +43,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = [item for item in items if item not in dra]
     at = next((i for i, item in enumerate(rest) if Path(str(item.fspath)).parent == here), len(rest))
     items[:] = rest[:at] + dra + rest[at:]
+    # test_stale_cluster.py kills the cluster: it goes last.
+    last = [item for item in items if Path(str(item.fspath)) == here / "test_stale_cluster.py"]
+    items[:] = [item for item in items if item not in last] + last
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -93,6 +96,11 @@ def machine_state() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
+    # A cluster left by a run stopped with the machine (none of its processes alive) is taken down first.
+    stale = subprocess.run([str(HACK / "down.sh"), "--quiet", "--if-stale"], capture_output=True, text=True,
+                           timeout=300, check=False)
+    if stale.returncode != 0:
+        pytest.fail(f"hack/cluster/down.sh --if-stale failed:\n{stale.stderr[-4000:]}")
     if RUN_DIR.exists():
         if os.environ.get("E2E_USE_RUNNING_CLUSTER") == "1":
             # For working on the tests: the cluster of `make cluster`, left running afterwards.

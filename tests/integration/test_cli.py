@@ -241,9 +241,9 @@ def test_a_pod_resources_path_that_cannot_be_the_socket_is_refused(make: str, li
     assert not (tmp_path / "state").exists()  # nothing was started or made
 
 
-def started_lines(config: Path) -> list[str]:
-    """The agent's log up to its start line, then SIGTERM; it exits 0."""
-    kubelet_dir = short_dir()
+def started_lines(config: Path, kubelet_dir: Path | None = None) -> list[str]:
+    """The agent's log up to its start line, then SIGTERM; it exits 0. The kubelet directory is removed after."""
+    kubelet_dir = kubelet_dir or short_dir()
     proc = subprocess.Popen([*AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir",
                              str(kubelet_dir), "--metrics-port", "0", "--config", str(config)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -271,6 +271,23 @@ def test_a_pod_resources_socket_not_there_yet_is_one_warning(tmp_path: Path) -> 
     assert [(head.split()[-1], text) for head, text in said] == [(
         "WARNING", f"mig.podResourcesSocket {socket} does not exist yet (the kubelet makes it): until it does, MIG "
                    "changes do not check for pods on the GPUs and GPU metrics carry no pod labels")]
+
+
+def test_without_a_socket_in_the_config_the_one_beside_the_kubelet_directory_is_used(tmp_path: Path) -> None:
+    # A kubelet whose root is not /var/lib/kubelet (k0s, MicroK8s): --kubelet-dir alone points the agent at it.
+    root = short_dir()
+    (root / "device-plugins").mkdir()
+    (root / "pod-resources").mkdir()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"version: v1\nmig:\n  stateDir: {tmp_path / 'state'}\n")
+    try:
+        lines = started_lines(config, root / "device-plugins")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    said = [line.split(" agent.podresources: ", 1)[1] for line in lines if " agent.podresources: " in line]
+    assert said == [
+        f"mig.podResourcesSocket {root}/pod-resources/kubelet.sock does not exist yet (the kubelet makes it): until "
+        "it does, MIG changes do not check for pods on the GPUs and GPU metrics carry no pod labels"]
 
 
 def test_a_pod_resources_socket_that_is_there_is_not_mentioned(tmp_path: Path) -> None:
