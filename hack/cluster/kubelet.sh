@@ -32,6 +32,8 @@ start() {
     gates=$(gates_off_by_default "$kube_bin_dir/kubelet" ResourceHealthStatus DRAExtendedResource)
     gates=${gates//=/: }
     [[ -n $gates ]] && gates_line="featureGates: {${gates//,/, }}"
+    local status_s=10 sync_s=15
+    [[ -f $run_dir/kubelet-timing ]] && read -r status_s sync_s <"$run_dir/kubelet-timing"
     cat >"$run_dir/kubelet/config.yaml" <<KC
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -61,8 +63,10 @@ evictionHard:
   imagefs.available: 2%
 topologyManagerPolicy: $policy
 # The kubelet calls a DRA driver's NodePrepareResources again, after a failed one, when it next syncs the pod: 15 s
-# here instead of the default minute, so that the crash tests on this cluster wait on the agent, not the kubelet.
-syncFrequency: 15s
+# here (KUBELET_SYNC_S) instead of the default minute, so that the crash tests on this cluster wait on the agent, not
+# the kubelet. A device plugin's devices reach the Node at its next node status update (KUBELET_STATUS_S).
+syncFrequency: ${sync_s}s
+nodeStatusUpdateFrequency: ${status_s}s
 $cgroup_v1_line
 $gates_line
 KC

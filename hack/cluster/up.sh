@@ -9,6 +9,9 @@
 # usage: [KUBE=1.35] hack/cluster/up.sh [PRESET]
 #   PRESET  default dgx-h100 (make cluster PRESET=...)
 #   KUBE    the Kubernetes release, default the newest (make cluster KUBE=1.35)
+#   KUBELET_STATUS_S  the kubelet's nodeStatusUpdateFrequency in seconds (default 10, the kubelet's own): a
+#           device plugin's devices reach the Node's Allocatable at its next node status update
+#   KUBELET_SYNC_S    its syncFrequency in seconds (default 15): a failed DRA prepare is retried at the next sync
 # Stop it with hack/cluster/down.sh (make cluster-down). Running it again first
 # takes down what is running.
 set -euo pipefail
@@ -25,6 +28,9 @@ overlay=$(realpath "${CLUSTER_OVERLAY:-$repo_root/hack/cluster/overlay}")
 preset_file=$repo_root/agent/nvml/presets/$preset.yaml
 [[ -f $preset_file ]] || die "unknown preset '$preset' (presets: $(cd "$repo_root/agent/nvml/presets" && ls -- *.yaml | sed 's/\.yaml$//' | paste -sd' '))"
 [[ $EUID == 0 ]] || die "run as root: it starts containerd and a kubelet"
+status_s=${KUBELET_STATUS_S:-10} sync_s=${KUBELET_SYNC_S:-15}
+[[ $status_s =~ ^[1-9][0-9]*$ && $sync_s =~ ^[1-9][0-9]*$ ]] ||
+    die "KUBELET_STATUS_S and KUBELET_SYNC_S are whole seconds, at least 1 (got '$status_s' and '$sync_s')"
 gpus=$(grep -c '^  - {model:' "$preset_file")
 
 t_all=$(date +%s.%N)
@@ -53,6 +59,8 @@ mountpoint -q /run/netns 2>/dev/null || echo "/run/netns" >"$run_dir/unmount-aft
 for s in "${kubelet_sysctls[@]}"; do printf '%s=%s\n' "$s" "$(sysctl -n "$s")"; done >"$run_dir/sysctls"
 echo "$preset" >"$run_dir/preset"
 echo "$cluster_release" >"$run_dir/kube-release"
+# Read by kubelet.sh at each start, so that a restarted kubelet keeps them.
+printf '%s %s\n' "$status_s" "$sync_s" >"$run_dir/kubelet-timing"
 
 bring_up() {
     "$here/certs.sh"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from cluster import HACK, PRESET, REPO, RUN_DIR, TIMES, Cluster
-from dra_mode import dra_mode
+from dra_mode import VISIT, dra_mode
 
 TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
 
@@ -46,6 +46,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # test_stale_cluster.py kills the cluster: it goes last.
     last = [item for item in items if Path(str(item.fspath)) == here / "test_stale_cluster.py"]
     items[:] = [item for item in items if item not in last] + last
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # Before the item's fixtures are torn down: a module's DRA mode stays for the next module's when it is DRA mode
+    # too (dra_mode.py, leave_dra_mode).
+    VISIT.following = nextitem
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -110,7 +117,10 @@ def cluster() -> Iterator[Cluster]:
                     "or set E2E_USE_RUNNING_CLUSTER=1 to test that one")
     before = machine_state()
     try:
-        up = subprocess.run([str(HACK / "up.sh"), PRESET], capture_output=True, text=True, timeout=600, check=False)
+        # The kubelet updates the Node's status every second and syncs each pod every 5 s (the defaults: 10 s and a
+        # minute), so that the tests wait on the agent rather than on the kubelet's timers.
+        up = subprocess.run([str(HACK / "up.sh"), PRESET], capture_output=True, text=True, timeout=600, check=False,
+                            env={**os.environ, "KUBELET_STATUS_S": "1", "KUBELET_SYNC_S": "5"})
         if up.returncode != 0:
             pytest.fail(f"hack/cluster/up.sh failed:\n{up.stderr[-4000:]}")
         yield Cluster()

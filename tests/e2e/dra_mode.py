@@ -8,6 +8,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,25 +90,62 @@ def left_as_before(cluster: Cluster, before: tuple[Any, Any]) -> None:
     assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
 
 
+@dataclass
+class Visit:
+    """The node's stay in DRA mode across the modules of a session."""
+
+    before: tuple[Any, Any] | None = None
+    """The device-plugin setup (agent_setup) the first module of the stay found; None in device-plugin mode."""
+    following: Any = None
+    """The test after the one ending (conftest.py's pytest_runtest_teardown), whose fixtures a module's teardown
+    asks about."""
+
+
+VISIT = Visit()
+DRA_FIXTURES = ("dra_node", "capacity_node")
+"""The module fixtures that put the node in DRA mode."""
+
+
+def enter_dra_mode(cluster: Cluster, kustomization: Path) -> None:
+    """Apply `kustomization` (DRA mode, perhaps another config of it) and wait for the rollout. From device-plugin
+    mode, the setup found is kept for leave_dra_mode to compare with."""
+    if VISIT.before is None:
+        assert cluster.allocatable() == "8"
+        VISIT.before = agent_setup(cluster)
+    cluster.kubectl("apply", "--server-side", "-k", str(kustomization))
+    rolled_out(cluster)
+
+
+def leave_dra_mode(cluster: Cluster, what: str = "") -> bool:
+    """Back in device-plugin mode with nothing of DRA mode left, unless the next module's tests are in DRA mode too:
+    then the node stays, and the last module of the stay goes back (the kubelet's 30 s before it deletes the slices
+    of a driver that left are waited once). Returns whether it went back."""
+    following = VISIT.following
+    if following is not None and any(f in getattr(following, "fixturenames", ()) for f in DRA_FIXTURES):
+        return False
+    before, VISIT.before = VISIT.before, None
+    back = time.monotonic()
+    device_plugin_mode_again(cluster)
+    TIMES[f"{what}device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
+    assert before is not None
+    left_as_before(cluster, before)
+    # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
+    eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
+    TIMES[f"{what}device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
+    return True
+
+
 def dra_mode(cluster: Cluster) -> Iterator[Cluster]:
-    """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left."""
-    assert cluster.allocatable() == "8"
-    before = agent_setup(cluster)
+    """The node in DRA mode for this module, then back in device-plugin mode with nothing of DRA mode left (or still
+    in DRA mode for the next module: leave_dra_mode)."""
     started = time.monotonic()
-    cluster.kubectl("apply", "--server-side", "-k", str(RUN_DIR / "kustomize-dra"))
     try:
-        rolled_out(cluster)
+        enter_dra_mode(cluster, RUN_DIR / "kustomize-dra")
         eventually(lambda: len(the_slice(cluster)["spec"]["devices"]) == 8, 60, "the node's ResourceSlice")
         TIMES["DRA mode applied -> ResourceSlice with 8 GPUs"] = time.monotonic() - started
         yield cluster
     finally:
-        back = time.monotonic()
-        device_plugin_mode_again(cluster)
-        TIMES["device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
-    left_as_before(cluster, before)
-    # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
-    eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
-    TIMES["device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
+        leave_dra_mode(cluster)
 
 
 def claim_pod(name: str, template: str, claim: str = "gpus", command: str | None = None) -> dict[str, Any]:

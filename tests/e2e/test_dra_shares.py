@@ -30,13 +30,10 @@ from dra_mode import (
     DRIVER,
     NVIDIA_MAJOR,
     agent_log,
-    agent_setup,
     claim_pod,
-    device_plugin_mode_again,
-    left_as_before,
-    node_slices,
+    enter_dra_mode,
+    leave_dra_mode,
     preset_gpus,
-    rolled_out,
     the_slice,
 )
 
@@ -149,15 +146,13 @@ def devices(cluster: Cluster) -> dict[str, Any]:
 def capacity_node(cluster: Cluster) -> Iterator[Cluster]:
     """The node in DRA mode with GPU 0 shared by capacity (its MPS daemon up and GPU 0 published), then back in
     device-plugin mode as dra_mode.py leaves it: the DaemonSet and config as before, no DRA registration, no slice."""
-    assert cluster.allocatable() == "8"
     capacity = capacity_on(cluster)
-    before = agent_setup(cluster)
+    went_back = True
     try:
         write_kustomization(cluster)
         started = time.monotonic()
         try:
-            cluster.kubectl("apply", "--server-side", "-k", str(KUSTOMIZATION))
-            rolled_out(cluster)
+            enter_dra_mode(cluster, KUSTOMIZATION)
 
             def published() -> bool:
                 found = sorted(devices(cluster))
@@ -167,17 +162,15 @@ def capacity_node(cluster: Cluster) -> Iterator[Cluster]:
             TIMES["DRA shared capacity applied -> GPU 0 published"] = time.monotonic() - started
             yield cluster
         finally:
-            back = time.monotonic()
-            device_plugin_mode_again(cluster)
-            TIMES["DRA shared capacity: device-plugin mode applied again -> Allocatable 8"] = time.monotonic() - back
-        left_as_before(cluster, before)
-        eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
-        # The agent stopped GPU 0's MPS daemon when it left (the daemon's last line).
-        eventually(lambda: control_log().read_text().splitlines()[-1] == "stopped", 30,
-                   "GPU 0's MPS daemon stopped by the agent")
+            went_back = leave_dra_mode(cluster, "DRA shared capacity: ")
+        if went_back:
+            # The agent stopped GPU 0's MPS daemon when it left (the daemon's last line).
+            eventually(lambda: control_log().read_text().splitlines()[-1] == "stopped", 30,
+                       "GPU 0's MPS daemon stopped by the agent")
     finally:
         shutil.rmtree(KUSTOMIZATION, ignore_errors=True)
-        shutil.rmtree(MPS_ROOT, ignore_errors=True)
+        if went_back:
+            shutil.rmtree(MPS_ROOT, ignore_errors=True)
 
 
 def test_gpu0_is_one_device_shared_by_memory_and_compute_where_the_release_keeps_capacity(

@@ -41,7 +41,9 @@ def running_state(pid: int) -> str | None:
 
 
 def test_a_cluster_whose_every_process_died_is_taken_down_by_the_next_run(cluster: Cluster) -> None:
-    assert cluster.allocatable() == "8"
+    # The cluster serving, in whatever MIG layout the modules before left it.
+    ready = [c["status"] for c in cluster.node()["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready == ["True"]
     running = subprocess.run([str(HACK / "down.sh"), "--if-stale"], capture_output=True, text=True, timeout=60,
                              check=False)
     assert (running.returncode, running.stderr, RUN_DIR.is_dir()) == (0, "", True), "a live cluster is left alone"
