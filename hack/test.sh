@@ -94,11 +94,13 @@ end_to_end() {
       env KUBE="$oldest" .venv/bin/pytest -q --durations=25 -m matrix tests/e2e
   fi
 }
+# The end-to-end chain is the longer one and waits on the cluster's answers, the rest is CPU-bound with time to
+# spare: the rest runs at a lower priority (nice 10), so that the cluster answers without waiting for a core.
 the_rest() {
-  stage "pytest" env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" --durations=25 \
-    --ignore=tests/e2e || return
+  stage "pytest" nice -n 10 env GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q "${parallel[@]}" \
+    --durations=25 --ignore=tests/e2e || return
   if $check_oldest; then
-    stage "Kubernetes $oldest: the tests that depend on the release (-m matrix)" env KUBE="$oldest" \
+    stage "Kubernetes $oldest: the tests that depend on the release (-m matrix)" nice -n 10 env KUBE="$oldest" \
       GPU_AGENT_FUZZ_SEED="${GPU_AGENT_FUZZ_SEED:-0}" .venv/bin/pytest -q --durations=25 -m matrix --ignore=tests/e2e
   fi
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from cluster import HACK, PRESET, REPO, RUN_DIR, TIMES, Cluster
-from dra_mode import VISIT, dra_mode
+from dra_mode import VISIT, dra_mode, slices_gone
 
 TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
 
@@ -124,6 +124,7 @@ def cluster() -> Iterator[Cluster]:
         if up.returncode != 0:
             pytest.fail(f"hack/cluster/up.sh failed:\n{up.stderr[-4000:]}")
         yield Cluster()
+        slices_gone()  # the last stay in DRA mode's, if no module waited for it
     finally:
         down = subprocess.run([str(HACK / "down.sh")], capture_output=True, text=True, timeout=300, check=False)
         after = machine_state()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,6 +91,35 @@ def left_as_before(cluster: Cluster, before: tuple[Any, Any]) -> None:
     assert [name for name in sockets(REGISTRY) if name.startswith(DRIVER)] == []
 
 
+class SlicesGone(threading.Thread):
+    """Looks at the node's ResourceSlices every half second from `since`, for up to 60 s, until there are none: the
+    kubelet deletes the slices of a driver that left 30 s after it unregistered. It runs beside the next module's
+    tests; `check` waits for it and fails if a slice was left."""
+
+    def __init__(self, cluster: Cluster, since: float, what: str) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.since, self.what = cluster, since, what
+        self.left: list[str] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while (left := node_slices(self.cluster)) and time.monotonic() < self.since + 60:
+                time.sleep(0.5)
+            self.left = left
+            if not left:
+                TIMES[f"{self.what}device-plugin mode applied again -> the kubelet deleted the slice"] = (
+                    time.monotonic() - self.since)
+        except BaseException as err:  # handed to check()
+            self.error = err
+
+    def check(self) -> None:
+        self.join(75)
+        if self.error is not None:
+            raise self.error
+        assert self.left == [], f"the kubelet left the node's ResourceSlices {self.left} 60 s after the driver left"
+
+
 @dataclass
 class Visit:
     """The node's stay in DRA mode across the modules of a session."""
@@ -99,6 +129,17 @@ class Visit:
     following: Any = None
     """The test after the one ending (conftest.py's pytest_runtest_teardown), whose fixtures a module's teardown
     asks about."""
+    slices: SlicesGone | None = None
+    """The last stay's slices going, watched beside what follows until `slices_gone`."""
+
+
+def slices_gone() -> None:
+    """Wait until the kubelet deleted the slices the last stay in DRA mode left (at most 60 s after it went back),
+    and fail if it did not: before the next stay, before a module that changes the DaemonSet, at the session's
+    end."""
+    watch, VISIT.slices = VISIT.slices, None
+    if watch is not None:
+        watch.check()
 
 
 VISIT = Visit()
@@ -110,6 +151,7 @@ def enter_dra_mode(cluster: Cluster, kustomization: Path) -> None:
     """Apply `kustomization` (DRA mode, perhaps another config of it) and wait for the rollout. From device-plugin
     mode, the setup found is kept for leave_dra_mode to compare with."""
     if VISIT.before is None:
+        slices_gone()
         assert cluster.allocatable() == "8"
         VISIT.before = agent_setup(cluster)
     cluster.kubectl("apply", "--server-side", "-k", str(kustomization))
@@ -119,7 +161,7 @@ def enter_dra_mode(cluster: Cluster, kustomization: Path) -> None:
 def leave_dra_mode(cluster: Cluster, what: str = "") -> bool:
     """Back in device-plugin mode with nothing of DRA mode left, unless the next module's tests are in DRA mode too:
     then the node stays, and the last module of the stay goes back (the kubelet's 30 s before it deletes the slices
-    of a driver that left are waited once). Returns whether it went back."""
+    of a driver that left are waited once, beside the next module: slices_gone). Returns whether it went back."""
     following = VISIT.following
     if following is not None and any(f in getattr(following, "fixturenames", ()) for f in DRA_FIXTURES):
         return False
@@ -129,9 +171,8 @@ def leave_dra_mode(cluster: Cluster, what: str = "") -> bool:
     TIMES[f"{what}device-plugin mode applied again -> Allocatable nvidia.com/gpu 8"] = time.monotonic() - back
     assert before is not None
     left_as_before(cluster, before)
-    # The kubelet deletes the slices of a driver that left 30 s after it unregistered.
-    eventually(lambda: node_slices(cluster) == [], 60, "the kubelet to delete the node's ResourceSlice")
-    TIMES[f"{what}device-plugin mode applied again -> the kubelet deleted the slice"] = time.monotonic() - back
+    VISIT.slices = SlicesGone(cluster, back, what)
+    VISIT.slices.start()
     return True
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from cluster import NAMESPACE, NODE, REPO, RUN_DIR, TIMES, Cluster, eventually, gpu_pod
-from dra_mode import SLICE, device_plugin_mode_again, node_slices, rolled_out
+from dra_mode import SLICE, device_plugin_mode_again, node_slices, rolled_out, slices_gone
 from pod_status import gpu_indices, wait_running
 
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
@@ -57,6 +57,7 @@ patches:
 @pytest.fixture(scope="module")
 def switchable(cluster: Cluster) -> Iterator[Cluster]:
     """The node in device-plugin mode under the switchable DaemonSet, then as `make cluster` left it."""
+    slices_gone()
     assert cluster.allocatable() == "8"
     write_kustomization()
     cluster.kubectl("apply", "-f", str(MAPPING))

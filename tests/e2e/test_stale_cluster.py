@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from cluster import HACK, RUN_DIR, Cluster
+from dra_mode import slices_gone
 
 
 def every_process_of(run_dir: Path) -> set[int]:
@@ -41,6 +42,7 @@ def running_state(pid: int) -> str | None:
 
 
 def test_a_cluster_whose_every_process_died_is_taken_down_by_the_next_run(cluster: Cluster) -> None:
+    slices_gone()  # nothing of the modules before still watching the cluster
     # The cluster serving, in whatever MIG layout the modules before left it.
     ready = [c["status"] for c in cluster.node()["status"]["conditions"] if c["type"] == "Ready"]
     assert ready == ["True"]
