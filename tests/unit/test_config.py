@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import DEFAULT_CONFIG, ConfigError, ResourcePattern, load_config, parse_config
+from agent.config import DEFAULT_CONFIG, ConfigError, ResourcePattern, beside_kubelet, load_config, parse_config
 
 
 def test_defaults() -> None:
@@ -15,6 +15,21 @@ def test_defaults() -> None:
     assert (DEFAULT_CONFIG.flags.mig_strategy, plugin.device_list_strategy, plugin.device_id_strategy) == (
         "none", ("envvar",), "uuid"
     )
+
+
+def test_the_pod_resources_socket_is_the_kubelets_beside_the_device_plugin_directory_unless_set() -> None:
+    k0s = Path("/var/lib/k0s/kubelet/device-plugins")
+    k0s_socket = Path("/var/lib/k0s/kubelet/pod-resources/kubelet.sock")
+    assert beside_kubelet(DEFAULT_CONFIG, Path("/var/lib/kubelet/device-plugins")) == DEFAULT_CONFIG
+    moved = beside_kubelet(DEFAULT_CONFIG, k0s)
+    assert moved.mig.pod_resources_socket == k0s_socket
+    assert "pod_resources_socket" not in moved.mig.model_fields_set  # still the default: not warned about at start
+    assert moved.mig.model_copy(update={"pod_resources_socket": DEFAULT_CONFIG.mig.pod_resources_socket}) == (
+        DEFAULT_CONFIG.mig)  # nothing else moved
+    chosen = parse_config("version: v1\nmig:\n  podResourcesSocket: /run/kubelet/pr.sock\n  busyPolicy: wait\n")
+    assert beside_kubelet(chosen, k0s) == chosen
+    kept = beside_kubelet(parse_config("version: v1\nmig:\n  busyPolicy: wait\n"), k0s).mig
+    assert (kept.busy_policy, kept.pod_resources_socket) == ("wait", k0s_socket)
 
 
 def test_nvidia_key_names_are_accepted() -> None:
