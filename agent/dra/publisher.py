@@ -197,7 +197,6 @@ class SlicePublisher:
         wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
                              taints=self.health_mode != WITHDRAWAL, capacity=self.capacity_mode == CAPACITY)
         if len(wanted) > 1:  # more devices than one slice takes
-            await self._read_owner()
             self._written = self._stored = None
             return await self._write_pool(state)
         if self._slices_written is not None:  # back to one slice: the others go
@@ -289,6 +288,13 @@ class SlicePublisher:
                 self._owner = [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": str(uids[0]),
                                 "controller": True}]
 
+    async def _owner_of(self, existing: dict[str, dict[str, Any]]) -> None:
+        """The owner of the slices `existing` (a LIST's, by name) where they name this agent's Node (a restarted
+        agent), else read from the Node."""
+        if self._owner is None and existing:
+            self._owner_from(existing[min(existing)])
+        await self._read_owner()
+
     async def _read_owner(self) -> None:
         if self._owner is None:
             uid_of = getattr(self._api, "node_uid", None)
@@ -320,6 +326,7 @@ class SlicePublisher:
             wanted = pool_slices(state, self.node, self.driver, 0, self._pcie_root,
                                  taints=self.health_mode != WITHDRAWAL, capacity=self.capacity_mode == CAPACITY)
             existing = await self._listed()
+            await self._owner_of(existing)
             tainted = [(n, s) for n, s in wanted if any(d.get("taints") for d in s["devices"])]
             if tainted and self.health_mode == UNDECIDED:
                 name, spec = tainted[0]
@@ -342,8 +349,8 @@ class SlicePublisher:
         if probe is None:
             return  # no MPS daemon up yet: nothing to decide
         name, spec, device = probe
-        await self._read_owner()
         existing = await self._listed()
+        await self._owner_of(existing)
         body = self._body(name, {**copy.deepcopy(spec), "pool": {**spec["pool"], "generation": 1}},
                           existing.get(name))
         stored = await self._send(name in existing, body, dry_run=True)

@@ -562,3 +562,25 @@ async def test_the_slices_are_owned_by_their_node() -> None:
         writes = len(api.writes)
         assert not await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
         assert len(api.writes) == writes
+
+
+class CountedNodeSlices(NodeSlices):
+    """NodeSlices counting the GETs of the Node."""
+
+    node_reads = 0
+
+    async def node_uid(self, node: str) -> str:
+        self.node_reads += 1
+        return await super().node_uid(node)
+
+
+async def test_a_restarted_agent_takes_its_slices_owner_from_the_list_without_reading_the_node() -> None:
+    from agent.dra.publisher import SlicePublisher
+
+    for state in (node("a100-pcie-nvlink-pairs"), shared("dgx-h100", 17)):  # one slice; two
+        api = CountedNodeSlices(keeps_taints=True)
+        assert await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert api.node_reads == 1  # the first agent reads its Node's UID once
+        writes = len(api.writes)
+        assert not await SlicePublisher(api, StateBus(state), "n", DRIVER, lambda bus_id: None).sync(state)
+        assert (len(api.writes), api.node_reads) == (writes, 1)
