@@ -96,9 +96,9 @@ outside_paths=(
     /var/lib/kubelet /var/lib/gpu-node-agent /dev/nvidia-caps /var/log/pods /var/log/containers
     /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns /run/cdi
 )
-# The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.
 # The cluster's daemons, in the order down.sh stops them (the kubelet first, so that it restarts nothing).
 daemons=(kubelet kube-scheduler kube-controller-manager kube-apiserver etcd containerd)
+# The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.
 kubelet_sysctls=(
     vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
     kernel.keys.root_maxkeys kernel.keys.root_maxbytes
