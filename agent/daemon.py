@@ -47,6 +47,7 @@ from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
 
 if TYPE_CHECKING:  # DRA mode and the API server's modules load only where the agent uses them
+    from agent.dra.claims import Paths
     from agent.dra.plugin import DraKubeletPlugin
     from agent.dra.publisher import SlicePublisher
 
@@ -83,6 +84,12 @@ class AgentOptions:
     def __post_init__(self) -> None:
         # The kubelet's PodResources socket, unless the config names one, is the one beside `kubelet_dir`.
         object.__setattr__(self, "config", beside_kubelet(self.config, self.kubelet_dir))
+
+    def dra_paths(self, dra: DraSettings) -> Paths:
+        """Where the DRA driver of `dra` keeps its sockets, checkpoint and CDI specs on this node."""
+        from agent.dra.claims import Paths
+
+        return Paths.under(self.kubelet_dir.parent, dra.driver_name, dra.cdi_root, self.pod_uid)
 
 
 class NvmlThread:
@@ -261,13 +268,13 @@ def dra_parts(options: AgentOptions, dra: DraSettings, bus: StateBus, files: Nod
         logging.getLogger("agent.dra.publisher").warning(
             "DRA mode: no API server client; no ResourceSlice is published")
         return None
-    from agent.dra.claims import ClaimError, ClaimStore, Paths
+    from agent.dra.claims import ClaimError, ClaimStore
     from agent.dra.dynamic import DynamicMig, DynamicMigError, DynamicSlicePublisher
     from agent.dra.plugin import DraKubeletPlugin
     from agent.dra.publisher import PublisherClass, SlicePublisher, slice_api
 
     metrics = footing.metrics
-    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root, options.pod_uid)
+    paths = options.dra_paths(dra)
     check_dra_sockets(paths.registration, paths.endpoint)
     dynamic: DynamicMig | None = None
     try:
@@ -292,9 +299,9 @@ def dra_parts(options: AgentOptions, dra: DraSettings, bus: StateBus, files: Nod
 def claims_left(options: AgentOptions) -> bool:
     """Whether the DRA checkpoint of the config's driver holds prepared claims (read only where it exists)."""
     dra = options.config.dra
-    from agent.dra.claims import ClaimError, ClaimStore, Paths
+    from agent.dra.claims import ClaimError, ClaimStore
 
-    paths = Paths.under(options.kubelet_dir.parent, dra.driver_name, dra.cdi_root, options.pod_uid)
+    paths = options.dra_paths(dra)
     if not paths.checkpoint.exists():
         return False
     store = ClaimStore(paths, dra.driver_name)

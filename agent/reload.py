@@ -72,10 +72,7 @@ class ConfigReload:
         if (start_only := start_only_changes(self.dra_made(), new)) is not None:
             return await self._reject(f"{path}: {start_only}")
         if new.dra.enabled and self.dra_made() is None:  # a first switch to DRA mode: its sockets as start checks them
-            from agent.dra.claims import Paths
-
-            paths = Paths.under(self.options.kubelet_dir.parent, new.dra.driver_name, new.dra.cdi_root,
-                                self.options.pod_uid)
+            paths = self.options.dra_paths(new.dra)
             try:
                 check_dra_sockets(paths.registration, paths.endpoint)
             except StartupError as err:
