@@ -172,6 +172,12 @@ class Agent:
             await monitor.open()  # before any device is served: no XID after that is missed
         except Exception as err:  # the health task registers again when it runs, with its restarts
             log.warning("cannot register for NVML events yet (the health monitor tries again): %s", err)
+        try:
+            # Before any device is offered and the Node written: a GPU already faulty (lost before this agent
+            # started) is unhealthy in the first list and the node's taint stays on through a restart.
+            await monitor.sample()
+        except Exception as err:  # the health task samples again when it runs, with its restarts
+            log.warning("cannot sample the GPUs' health yet (the health monitor tries again): %s", err)
         lock = self.footing.lock
         if lock.held:
             self._spawn_owned()

@@ -218,6 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
             metrics_host=args.metrics_address, kube=kube,
             config_path=args.config, pod_uid=os.environ.get("POD_UID") or None,
+            gpu_identities=identity_dir(args.nvml, args.mock_state, config.mig.state_dir),
         )
         return await run_until_signal(backend, options)
 
@@ -231,6 +232,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except NvmlUnavailable as err:
         hint = " (is the NVIDIA driver installed, and libnvidia-ml.so.1 injected into the container?)"
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
+
+
+def identity_dir(nvml: str, mock_state: Path | None, state_dir: Path) -> Path | None:
+    """Where `gpu-agent run` keeps what it read of each GPU (agent/nvml/identity.py): the MIG state directory on
+    a real node; on a simulated one, the directory of its --mock-state file, whose GPUs they are (none without
+    one: such a node starts anew every time)."""
+    if nvml == "real":
+        return state_dir
+    return None if mock_state is None else mock_state.parent
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:
@@ -251,7 +261,7 @@ def inspect_view(backend: Any) -> dict[str, Any]:
                     "minor": g.minor, "memory_mib": g.memory_mib, "architecture": g.architecture,
                     "compute_capability": f"{g.compute_capability[0]}.{g.compute_capability[1]}",
                     "numa_node": g.numa_node, "mig_capable": g.mig_capable, "mig_enabled": g.mig_enabled,
-                    "mig_pending": g.mig_pending,
+                    "mig_pending": g.mig_pending, "lost": g.lost,
                     "fabric": None if g.fabric is None else {
                         "cluster_uuid": g.fabric.cluster_uuid, "clique_id": g.fabric.clique_id,
                         "state": g.fabric.state, "status": g.fabric.status, "attached": g.fabric.attached},
@@ -480,7 +490,9 @@ def cmd_mig(args: argparse.Namespace) -> int:
 
 FAULTS = {
     "xid": "raise an XID critical-error event on GPU (VALUE: the XID number)",
-    "lost": "make GPU fall off the bus: every NVML call about it fails with GpuIsLost",
+    "lost": "make GPU fall off the bus: NVML gives no handle for it, and every call about it fails with GpuIsLost",
+    "lost-handle": "make GPU fall off the bus as NVML also shows it: its handle is given, every call on it fails "
+                   "with GpuIsLost",
     "ecc": "set GPU's volatile uncorrected ECC error count (VALUE: the count)",
     "clear": "undo lost and uncorrected ECC on GPU (an XID is an event: the agent's recovery checks clear it)",
 }
@@ -519,8 +531,8 @@ def cmd_fault(args: argparse.Namespace) -> int:
     try:
         if args.action == "xid":
             fake.inject_xid(gpu, value)
-        elif args.action == "lost":
-            fake.set_gpu_lost(gpu, True)
+        elif args.action in ("lost", "lost-handle"):
+            fake.set_gpu_lost(gpu, True, keep_handle=args.action == "lost-handle")
         elif args.action == "ecc":
             fake.set_ecc_uncorrected(gpu, value)
         else:

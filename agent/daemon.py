@@ -42,6 +42,7 @@ from agent.locks import DirectoryLock, Held, holder
 from agent.metrics import HttpEndpoint, Metrics
 from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
+from agent.nvml.identity import load_identities, save_identities
 from agent.nvml.records import node_clique
 from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
@@ -80,6 +81,9 @@ class AgentOptions:
     during a rolling update with surge. The DRA sockets carry it in their names; a new agent whose node still
     runs the old one serves DRA at once (in DRA mode) and the rest once the old one stops (docs/dra.md, "Rolling
     updates"). Without it, a second agent on a node is refused."""
+    gpu_identities: Path | None = None
+    """The directory where the agent keeps what it read of each GPU (gpus.json, agent/nvml/identity.py), so that
+    a GPU lost before a later start is still named; None keeps it only for the process's life."""
 
     def __post_init__(self) -> None:
         # The kubelet's PodResources socket, unless the config names one, is the one beside `kubelet_dir`.
@@ -179,6 +183,11 @@ async def _close_kube(options: AgentOptions) -> None:
 
 
 async def _init_nvml(footing: Footing) -> NodeState:
+    identities = footing.options.gpu_identities
+    if identities is not None:
+        remembered = footing.backend.remembered
+        for index, gpu in load_identities(identities).items():
+            remembered.setdefault(index, gpu)
     for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
         try:
             await footing.nvml(footing.backend.init)
@@ -189,6 +198,13 @@ async def _init_nvml(footing: Footing) -> NodeState:
             log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
             await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
     inventory = await footing.nvml(footing.backend.inventory)
+    if identities is not None:
+        save_identities(identities, footing.backend.remembered)
+    lost = [g for g in inventory.gpus if g.lost]
+    if lost:
+        log.warning("NVML counts %d GPU(s), %d of them lost (no handle, or every call failing): %s",
+                    len(inventory.gpus), len(lost), "; ".join(
+                        f"GPU {g.index}" + (f" {g.uuid}" if g.name != "unknown" else " (never read)") for g in lost))
     config = footing.options.config
     # In DRA mode whole GPUs are offered once the handover knows which ones pods hold through the device plugin.
     return NodeState(version=1, inventory=inventory, config=config, handover=config.dra.enabled,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from agent.config import AgentConfig, ReplicatedResource
+from agent.health.policy import LOST_REASON
 from agent.inventory import GPU_RESOURCE, mig_resource, sanitise
 from agent.nvml.records import GpuInfo, MigDeviceInfo, node_clique
 from agent.state import NodeState
@@ -73,8 +74,12 @@ def _gpu_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     """The nvidia.com/gpu.* labels of the whole GPUs: per model, MIG-enabled GPUs first without sharing, then
     the others with it, so a model with any whole GPU is labelled as shared or not by the config."""
     labels: dict[str, str] = {}
-    gpus = state.inventory.gpus
+    unread = sum(g.unread for g in state.inventory.gpus)
+    gpus = tuple(g for g in state.inventory.gpus if not g.unread)
     counts = Counter(g.name for g in gpus)
+    if unread and len(counts) == 1:
+        # A lost GPU nothing was ever read of, on a node of one model, is one more of it: the count is NVML's.
+        counts[next(iter(counts))] += unread
     for mig_enabled in (True, False):
         for name in sorted({g.name for g in gpus if g.mig_enabled == mig_enabled}):
             first = next(g for g in gpus if g.name == name and g.mig_enabled == mig_enabled)
@@ -199,6 +204,9 @@ def node_labels(state: NodeState, config: AgentConfig) -> dict[str, str]:
     labels[OWN_PREFIX + "nvlink.largest-group"] = str(max((len(g) for g in groups if len(g) > 1), default=0))
     full_mesh = all(link.nvlink for link in inv.links) and len(inv.gpus) > 1
     labels[OWN_PREFIX + "nvlink.full-mesh"] = str(full_mesh).lower()
+    lost = sum(g.lost or state.gpu_health(g.uuid).reason == LOST_REASON for g in inv.gpus)
+    if lost:
+        labels[OWN_PREFIX + "gpu.lost"] = str(lost)
     return labels
 
 
@@ -218,7 +226,7 @@ OWNED_NVIDIA_KEYS = frozenset(
 
 
 OWNED_OWN_KEYS = frozenset(OWN_PREFIX + k for k in ("numa.nodes", "numa.max-gpus", "nvlink.largest-group",
-                                                    "nvlink.full-mesh"))
+                                                    "nvlink.full-mesh", "gpu.lost"))
 """The agent's topology labels; any other key under gpu-node-agent.io/ belongs to whoever set it."""
 
 

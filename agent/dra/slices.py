@@ -232,12 +232,12 @@ def held_gpus(state: NodeState) -> set[str]:
 def published_gpus(state: NodeState, taints: bool = False) -> list[GpuInfo]:
     """The whole GPUs the slice carries (whole or as replicas): not draining, not MIG-enabled, not waiting for
     their MPS daemon, not held through the mode the node left, and healthy unless unhealthy ones are published
-    with a taint (`taints`)."""
+    with a taint (`taints`); never a lost GPU of which nothing was ever read (it has no attributes to publish)."""
     waiting = mps_waiting(state)
     held = held_gpus(state)
     return [g for g in state.inventory.gpus
             if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled
-            and g.uuid not in waiting and g.uuid not in held]
+            and g.uuid not in waiting and g.uuid not in held and not g.unread]
 
 
 def mig_device_name(mig: MigInfo) -> str:

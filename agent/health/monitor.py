@@ -10,13 +10,16 @@ from typing import Any, TypeVar
 from agent.config import HealthSettings
 from agent.health.policy import Verdict, classify_reading, classify_xid
 from agent.nvml.backend import EventSetGone, NvmlBackend
-from agent.nvml.records import HealthReading
+from agent.nvml.records import HealthReading, NodeInventory
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+
+LOST = HealthReading(uuid="", lost=True)
+"""The sample of a GPU NVML cannot read whole."""
 
 EVENT_WAIT_MS = 500
 """One event wait on the NVML thread (an event ends it at once); bounded so samples and MIG changes
@@ -72,23 +75,49 @@ class HealthMonitor:
     def _policy(self) -> HealthSettings:
         return self._bus.current.config.health
 
-    async def _publish(self) -> None:
+    async def _publish(self, inventory: NodeInventory | None = None) -> None:
+        """Publish the health the faults give, with the incidents since the last publish and, where given, an
+        inventory read anew; nothing when none of them changed anything."""
         health = {
             uuid: DeviceHealth(healthy=False, reason=v.reason, node_fatal=v.action == "node-fatal")
             for uuid, v in self._faults.items()
         }
-        if health == dict(self._bus.current.health) and not self._pending:
+        if health == dict(self._bus.current.health) and not self._pending and inventory is None:
             return
         for uuid, kind, message in self._pending:
             level = logging.INFO if kind == "recovered" else logging.WARNING
             log.log(level, "GPU %s: %s: %s", uuid, kind, message)
         pending, self._pending = self._pending, []
-        await self._bus.record(pending, health=health)
+        if inventory is None:
+            await self._bus.record(pending, health=health)
+        else:
+            await self._bus.record(pending, health=health, inventory=inventory)
 
     async def sample(self) -> None:
+        """Read every GPU's health signals once and publish what changed. A GPU the inventory lists as lost that
+        answers again has the inventory read anew first (it is served from then on, through the usual recovery);
+        until NVML reads it whole, it stays lost whatever its sample says."""
         telemetry = {}
-        for gpu in self._bus.current.inventory.gpus:
-            reading = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
+        state = self._bus.current
+        readings = {}
+        for gpu in state.inventory.gpus:
+            readings[gpu.index] = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
+        inventory = state.inventory
+        if any(g.lost and not readings[g.index].lost for g in inventory.gpus):
+            inventory = await self._nvml(self._backend.inventory)
+            back = [g for g in inventory.gpus if not g.lost and state.inventory.gpus[g.index].lost]
+            for gpu in back:
+                log.info("GPU %d %s answers NVML again and is read whole", gpu.index, gpu.uuid)
+                known = state.inventory.gpus[gpu.index].uuid
+                if known != gpu.uuid and known in self._faults:
+                    # Lost since before anything was read of it: its fault goes on under the UUID NVML now gives,
+                    # and ends, as any other, after the configured clean samples.
+                    self._faults[gpu.uuid] = self._faults.pop(known)
+                    self._clean[gpu.uuid] = self._clean.pop(known, 0)
+        for gpu in inventory.gpus:
+            reading = readings.get(gpu.index, LOST)
+            if gpu.lost and not reading.lost:
+                reading = LOST  # answers some calls, but not all those the inventory needs
             if reading.unreadable is not None:
                 # Neither a fault nor a clean sample: keep the last reading and judge again next time.
                 self.read_errors += 1
@@ -107,7 +136,7 @@ class HealthMonitor:
                     self._warned.pop(gpu.uuid, None)
                 self._clean_sample(gpu.uuid)
         self.telemetry = telemetry
-        await self._publish()
+        await self._publish(inventory if inventory is not state.inventory else None)
 
     async def on_xid(self, gpu_uuid: str, xid: int) -> None:
         self.xid_counts[(gpu_uuid, xid)] = self.xid_counts.get((gpu_uuid, xid), 0) + 1

@@ -36,11 +36,14 @@ def classify_xid(xid: int, policy: HealthSettings) -> Verdict:
     return Verdict(policy.xid_action(xid), f"XID {xid}")
 
 
+LOST_REASON = "GPU is lost (fallen off the bus)"
+
+
 def classify_reading(reading: HealthReading, policy: HealthSettings) -> Verdict:
     """The verdict of one periodic sample; the worst signal wins."""
     checks = policy.checks
     if reading.lost:
-        return Verdict(checks.gpu_lost, "GPU is lost (fallen off the bus)")
+        return Verdict(checks.gpu_lost, LOST_REASON)
     found = []
     if reading.ecc_uncorrected_volatile:
         found.append(Verdict(checks.ecc_uncorrected,

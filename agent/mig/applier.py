@@ -60,7 +60,14 @@ class Journal:
 
 
 def read_node(ops: MigOps, gpus: int) -> list[MigGpuState]:
-    return [ops.state(i) for i in range(gpus)]
+    """Every GPU's MIG state, by NVML index; MigCallError naming the GPU that NVML cannot read (a lost one)."""
+    states = []
+    for index in range(gpus):
+        try:
+            states.append(ops.state(index))
+        except MigCallError as err:
+            raise MigCallError(f"GPU {index}: reading its MIG state: {err}") from err
+    return states
 
 
 def planning_view(states: list[MigGpuState]) -> list[GpuMigState]:

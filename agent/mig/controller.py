@@ -18,7 +18,7 @@ from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import NvmlBackend
-from agent.nvml.mig_ops import MigOps
+from agent.nvml.mig_ops import MigCallError, MigOps
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
 from agent.yamlfile import clip, one_line
@@ -73,7 +73,12 @@ class MigController:
         self._nvml = nvml
 
     async def _finish(self, result: ApplyResult, draining: frozenset[str] = frozenset()) -> None:
-        inventory = await self._nvml(self._backend.inventory)
+        """Publish the outcome, the inventory read anew and the GPUs drained for the apply given back."""
+        try:
+            inventory = await self._nvml(self._backend.inventory)
+        except Exception as err:  # the driver itself fails: the outcome is published all the same
+            log.warning("MIG layout %s: cannot read the inventory after the apply: %s", clip(result.layout), err)
+            inventory = self._bus.current.inventory
         kind = {"success": "mig-success", "failed": "mig-failed", "rebooting": "mig-rebooting"}[result.outcome]
         log.log(logging.INFO if result.outcome == "success" else logging.ERROR, "MIG layout %s: %s: %s",
                 clip(result.layout), result.outcome, result.reason)
@@ -131,6 +136,9 @@ class MigController:
             reason = one_line(str(err))
             self._settled = True  # the layouts file or the GPUs rule it out: trying again changes nothing
             await self._finish(ApplyResult(name, "failed", reason))
+            return self._status()
+        except MigCallError as err:  # a GPU NVML cannot read (lost): tried again with the usual backoff
+            await self._finish(ApplyResult(name, "failed", f"cannot plan the layout: {one_line(str(err))}"))
             return self._status()
         changing = frozenset(g.uuid for g in state.inventory.gpus
                              if any(p.index == g.index and not p.noop for p in plan.gpus))

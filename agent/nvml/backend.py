@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import uuid as uuidlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from agent.nvml.records import (
     NodeInventory,
     PairLink,
     XidEvent,
+    unknown_gpu,
 )
 from agent.nvml.sysfs import dev_imex_channels, sysfs_numa_node, sysfs_pci_class
 
@@ -89,42 +91,72 @@ class NvmlBackend:
     numa_lookup: NumaLookup = sysfs_numa_node
     pci_class_lookup: NumaLookup = sysfs_pci_class
     imex_lookup: ImexLookup = dev_imex_channels
-    _handles: list[Any] = field(default_factory=list)
+    remembered: dict[int, GpuInfo] = field(default_factory=dict)
+    """What was last read of each GPU, by NVML index: a lost GPU is listed with it (`GpuInfo.lost`). Filled by
+    every inventory that read a GPU, and before `init` by the caller with what an earlier agent read
+    (agent/nvml/identity.py)."""
+    _handles: list[Any | None] = field(default_factory=list)
+    """The device handle of each GPU NVML counts, by NVML index; None where NVML would not give it."""
     _uuid_by_handle: dict[int | None, str] = field(default_factory=dict)
     """GPU UUIDs by handle address, read at init: an event from a GPU that is off the bus still names it."""
     _initialised: bool = False
-    lost_at_start: list[int] = field(default_factory=list)
-    """NVML indices of GPUs that were lost when NVML was initialised."""
 
     def init(self) -> None:
+        """Initialise NVML and take the handle of every GPU it counts. A GPU whose handle NVML will not give
+        (GPU_IS_LOST, or any other error) is kept by its index, without a handle: it is in the inventory as
+        lost, and its handle is asked for again whenever it is read."""
         try:
             self.lib.nvmlInit()
         except pynvml.NVMLError as err:
             raise NvmlUnavailable(f"NVML initialisation failed: {err}") from err
         self._initialised = True
-        self._handles = []
-        self.lost_at_start = []
-        for i in range(self.lib.nvmlDeviceGetCount()):
-            try:
-                handle = self.lib.nvmlDeviceGetHandleByIndex(i)
+        try:
+            count = int(self.lib.nvmlDeviceGetCount())
+        except pynvml.NVMLError as err:
+            with contextlib.suppress(pynvml.NVMLError):
+                self.lib.nvmlShutdown()
+            self._initialised = False
+            raise NvmlUnavailable(f"NVML cannot count the GPUs: {err}") from err
+        self._handles = [None] * count
+        for i in range(count):
+            self._take_handle(i)
+
+    def _take_handle(self, index: int) -> Any | None:
+        """NVML's handle of GPU `index`, taken anew (None where NVML will not give it), and its UUID noted."""
+        try:
+            handle = self.lib.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError:
+            handle = None
+        self._handles[index] = handle
+        if handle is not None:
+            with contextlib.suppress(pynvml.NVMLError):
                 self._uuid_by_handle[_address(handle)] = nvml_text(self.lib.nvmlDeviceGetUUID(handle))
-                self._handles.append(handle)
-            except pynvml.NVMLError_GpuIsLost:
-                # A GPU already off the bus has no handle and no UUID to advertise; it is reported, not served.
-                self.lost_at_start.append(i)
+        return handle
 
     @property
-    def handles(self) -> Sequence[Any]:
-        """The device handle of each GPU NVML served at init, by NVML index (for the other readers of
-        agent/nvml/: MIG operations and dcgm-exporter's fields)."""
+    def count(self) -> int:
+        """How many GPUs NVML counts, lost ones included."""
+        return len(self._handles)
+
+    @property
+    def handles(self) -> Sequence[Any | None]:
+        """The device handle of each GPU NVML counts, by NVML index, None for one NVML would not give (for the
+        other readers of agent/nvml/: dcgm-exporter's fields)."""
         return self._handles
 
     def handle(self, index: int) -> Any:
-        return self._handles[index]
+        """The handle of the GPU of NVML index `index`; NVMLError GPU_IS_LOST where NVML will not give one."""
+        handle = self._handles[index]
+        if handle is None:
+            handle = self._take_handle(index)
+            if handle is None:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return handle
 
     def refresh_handle(self, index: int) -> None:
-        """Take the GPU's handle again: NVML enumerates handles anew after a MIG mode change."""
-        self._handles[index] = self.lib.nvmlDeviceGetHandleByIndex(index)
+        """Take the handle of the GPU of NVML index `index` again: NVML enumerates handles anew after a MIG mode
+        change."""
+        self._take_handle(index)
 
     def problem(self) -> str | None:
         """Why the library cannot serve right now, where it can tell (the fake's unusable state file); None
@@ -148,15 +180,36 @@ class NvmlBackend:
         )
 
     def inventory(self) -> NodeInventory:
-        gpus = tuple(self._gpu(i, h) for i, h in enumerate(self._handles))
-        # GpuInfo.index is the position among served GPUs, which the NVML index equals unless one was lost.
+        """Every GPU NVML counts, each under its NVML index (`GpuInfo.index`, its position in `gpus`): a GPU that
+        cannot be read is there as lost, so no other GPU ever takes its place or its index."""
+        gpus = tuple(self._read_gpu(i) for i in range(len(self._handles)))
         return NodeInventory(
             driver=self.driver(),
             gpus=gpus,
             links=self._links(gpus),
-            mig_devices=tuple(d for g in gpus if g.mig_enabled for d in self.mig_devices(g.index)),
+            mig_devices=tuple(d for g in gpus if g.mig_enabled and not g.lost for d in self._mig_devices_or_none(g)),
             imex_channels=self.imex_lookup(),
         )
+
+    def _read_gpu(self, index: int) -> GpuInfo:
+        """The GPU as NVML tells it; where NVML will not (no handle, or an error from any call the inventory
+        makes), what was last read of it, marked lost."""
+        try:
+            gpu = self._gpu(index, self.handle(index))
+        except pynvml.NVMLError:
+            known = self.remembered.get(index)
+            if known is None:
+                return unknown_gpu(index)
+            return dataclasses.replace(known, lost=True, mig_enabled=False, mig_pending=False, fabric=None)
+        self.remembered[index] = gpu
+        return gpu
+
+    def _mig_devices_or_none(self, gpu: GpuInfo) -> list[MigDeviceInfo]:
+        """The GPU's MIG devices; none where it stopped answering since it was read."""
+        try:
+            return self.mig_devices(gpu.index)
+        except pynvml.NVMLError:
+            return []
 
     def _gpu(self, index: int, h: Any) -> GpuInfo:
         lib = self.lib
@@ -241,11 +294,20 @@ class NvmlBackend:
             yield kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH, _norm_bus_id(remote)
 
     def _links(self, gpus: tuple[GpuInfo, ...]) -> tuple[PairLink, ...]:
-        by_bus = {_norm_bus_id(g.pci_bus_id): g.index for g in gpus}
+        """The NVLink and PCIe link of every pair of GPUs; a lost GPU reaches none (no NVLink, "system")."""
+        by_bus = {_norm_bus_id(g.pci_bus_id): g.index for g in gpus if not g.lost}
         direct: dict[tuple[int, int], int] = {}
         to_switch = [0] * len(gpus)
+        answering = set(by_bus.values())
         for g in gpus:
-            for is_switch, remote in self._nvlinks(self._handles[g.index]):
+            if g.index not in answering:
+                continue
+            try:
+                ends = list(self._nvlinks(self.handle(g.index)))
+            except pynvml.NVMLError:  # it stopped answering since it was read
+                answering.discard(g.index)
+                continue
+            for is_switch, remote in ends:
                 if is_switch:
                     to_switch[g.index] += 1
                 elif remote in by_bus:
@@ -254,7 +316,14 @@ class NvmlBackend:
         links = []
         for a in range(len(gpus)):
             for b in range(a + 1, len(gpus)):
-                level = self.lib.nvmlDeviceGetTopologyCommonAncestor(self._handles[a], self._handles[b])
+                if a not in answering or b not in answering:
+                    links.append(PairLink(a, b, 0, "system"))
+                    continue
+                try:
+                    level = self.lib.nvmlDeviceGetTopologyCommonAncestor(self._handles[a], self._handles[b])
+                except pynvml.NVMLError:
+                    links.append(PairLink(a, b, 0, "system"))
+                    continue
                 # GPUs behind NVSwitches reach each other over as many links as the less-connected one has.
                 nvlink = direct.get((a, b), 0) + min(to_switch[a], to_switch[b])
                 links.append(PairLink(a, b, nvlink, PCIE_LEVELS.get(int(level), "system")))
@@ -273,7 +342,7 @@ class NvmlBackend:
     def mig_devices(self, index: int) -> list[MigDeviceInfo]:
         """The MIG devices (GPU and compute instances) NVML lists on GPU `index`."""
         lib = self.lib
-        h = self._handles[index]
+        h = self.handle(index)
         names = self._gi_profile_names(h)
         devices = []
         for slot in range(int(lib.nvmlDeviceGetMaxMigDeviceCount(h))):
@@ -312,8 +381,8 @@ class NvmlBackend:
     def health(self, index: int) -> HealthReading:
         """Sample one GPU's health signals; a GPU that has fallen off the bus reads as lost."""
         lib = self.lib
-        h = self._handles[index]
         try:
+            h = self.handle(index)
             uuid = nvml_text(lib.nvmlDeviceGetUUID(h))
         except pynvml.NVMLError_GpuIsLost:
             return HealthReading(uuid="", lost=True)
@@ -361,12 +430,14 @@ class NvmlBackend:
         lib = self.lib
         event_set = lib.nvmlEventSetCreate()
         for h in self._handles:
+            if h is None:  # lost: NVML has no handle to register
+                continue
             try:
                 supported = int(lib.nvmlDeviceGetSupportedEventTypes(h))
                 mask = supported & (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError)
                 if mask:
                     lib.nvmlDeviceRegisterEvents(h, mask, event_set)
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_GpuIsLost):
+            except pynvml.NVMLError:  # not supported, lost, or failing: its events are not to be had
                 continue
         return event_set
 

@@ -73,7 +73,8 @@ class FakeCalls(FakeMig):
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         if not 0 <= index < len(self.spec.gpus):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if self._gpu_state(index).lost:
+        state = self._gpu_state(index)
+        if state.lost and not state.lost_keeps_handle:
             raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
         return self._gpu_handle(index)
 

@@ -28,10 +28,14 @@ class FakeFaults(FakeCalls):
         self._record_event(gpu_index, pynvml.nvmlEventTypeXidCriticalError, xid, gi, ci)
 
     @fault_call
-    def set_gpu_lost(self, gpu_index: int, lost: bool = True) -> None:
-        """A lost GPU (fallen off the bus) answers every call about it with GpuIsLost."""
+    def set_gpu_lost(self, gpu_index: int, lost: bool = True, *, keep_handle: bool = False) -> None:
+        """A lost GPU (fallen off the bus) answers every call about it with GpuIsLost. NVML shows one in either of
+        two ways: it gives no handle for it (nvmlDeviceGetHandleByIndex and the other lookups fail with GpuIsLost),
+        or, with `keep_handle`, it gives the handle and every call on it fails with GpuIsLost."""
         self._check_gpu_index(gpu_index)
-        self._gpu_state(gpu_index).lost = lost
+        state = self._gpu_state(gpu_index)
+        state.lost = lost
+        state.lost_keeps_handle = lost and keep_handle
 
     @fault_call
     def set_ecc_uncorrected(self, gpu_index: int, count: int) -> None:

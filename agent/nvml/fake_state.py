@@ -84,6 +84,9 @@ class GpuState(_Record):
     mig_pending: int = pynvml.NVML_DEVICE_MIG_DISABLE
     gpu_instances: list[GpuInstance] = []
     lost: bool = False
+    lost_keeps_handle: bool = False
+    """How NVML shows the lost GPU: False, no handle (nvmlDeviceGetHandleByIndex fails with GPU_IS_LOST); True, the
+    handle is given and every call on it fails with GPU_IS_LOST."""
     busy: bool = False
     ecc_corrected_volatile: int = 0
     ecc_uncorrected_volatile: int = 0

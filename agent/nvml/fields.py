@@ -132,9 +132,10 @@ class FieldReader:
         handles = self._backend.handles
         self._refresh_mig_handles(inventory)
         for gpu in inventory.gpus:
-            if gpu.index >= len(handles):
+            h = handles[gpu.index] if gpu.index < len(handles) else None
+            if gpu.lost or h is None:  # no series for a GPU off the bus, as with dcgm-exporter
+                self._forget_gpm(gpu.uuid)
                 continue
-            h = handles[gpu.index]
             try:
                 values = self._gpu_values(h)
                 gpm = self._gpm.setdefault(gpu.uuid, _GpmState())
@@ -238,10 +239,10 @@ class FieldReader:
         self._mig_handles = {}
         wanted = set(key)
         for gpu in inventory.gpus:
-            if not gpu.mig_enabled or gpu.index >= len(self._backend.handles):
+            if not gpu.mig_enabled or gpu.lost or gpu.index >= len(self._backend.handles):
                 continue
-            h = self._backend.handle(gpu.index)
             with contextlib.suppress(pynvml.NVMLError):
+                h = self._backend.handle(gpu.index)
                 for slot in range(int(lib.nvmlDeviceGetMaxMigDeviceCount(h))):
                     try:
                         mh = lib.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)

@@ -107,6 +107,26 @@ class GpuInfo:
     """nvmlDeviceGetBrand, an NVML_BRAND_* value (14 NVIDIA for data-centre GPUs); None where NVML does not say."""
     fabric: FabricInfo | None = None
     """nvmlDeviceGetGpuFabricInfoV; None where the GPU or the driver does not support it."""
+    lost: bool = False
+    """NVML counts the GPU but will not give its handle, or fails the calls the inventory needs (GPU_IS_LOST or
+    another error). Its other fields are what was last read of it (in this process or, through the state
+    directory's gpus.json, by an earlier agent), else placeholders (`unknown_gpu`); it is never served healthy."""
+
+    @property
+    def unread(self) -> bool:
+        """A lost GPU of which nothing was ever read (`unknown_gpu`): all but its index are placeholders."""
+        return self.lost and self.uuid.startswith(UNREAD_PREFIX)
+
+
+UNREAD_PREFIX = "GPU-lost-nvml-"
+
+
+def unknown_gpu(index: int) -> GpuInfo:
+    """A lost GPU of which nothing is known but its NVML index: a UUID made from the index, so that it can be
+    named and kept apart from its neighbours until it answers again."""
+    return GpuInfo(index=index, uuid=f"{UNREAD_PREFIX}{index}", name="unknown", pci_bus_id="", minor=index,
+                   memory_mib=0, architecture="unknown", compute_capability=(0, 0), numa_node=None,
+                   mig_capable=False, mig_enabled=False, mig_pending=False, lost=True)
 
 
 @dataclass(frozen=True)
