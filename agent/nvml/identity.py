@@ -71,8 +71,12 @@ def load_identities(state_dir: Path) -> dict[int, GpuInfo]:
         log.warning("the GPUs an earlier agent read are not used: %s", err)
         return {}
     except (ValueError, ValidationError) as err:
-        why = f"{err.error_count()} problem(s), first {err.errors()[0]['msg']}" if isinstance(
-            err, ValidationError) else str(err).splitlines()[0]
+        if isinstance(err, ValidationError):
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            why = f"{err.error_count()} problem(s), first {where}: {first['msg']}"
+        else:
+            why = str(err).splitlines()[0]
         log.warning("the GPUs an earlier agent read are not used: %s: not the agent's GPU file (%s)", path, why)
         return {}
     return {g.index: GpuInfo(index=g.index, uuid=g.uuid, name=g.name, pci_bus_id=g.pci_bus_id, minor=g.minor,
