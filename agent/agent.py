@@ -51,6 +51,9 @@ RESTART_BACKOFF_FIRST_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 STOP_TASK_S = 5.0
 """How long Agent.stop waits for a cancelled task before it cancels it again."""
+STOP_NVML_S = 2.0
+"""How long a stop waits to give the event set back to NVML (the wait for events in flight ends first); a driver
+that does not answer in that time is left as it is."""
 
 
 ONE_LINE_ERRORS: tuple[type[Exception], ...] = (
@@ -120,7 +123,7 @@ class Agent:
             bus,
             self.metrics,
         )
-        self.monitor = HealthMonitor(self.backend, bus, self.nvml)
+        self.monitor = HealthMonitor(self.backend, bus, self.nvml, footing.events, (self.nvml, footing.events))
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
                                  lambda: self.dra.plugin.holders() if self.dra is not None else [])
@@ -168,6 +171,7 @@ class Agent:
         """Wire the metrics to the parts and start every task (and the DRA kubelet plugin's server)."""
         bus, monitor, telemetry, opts = self.bus, self.monitor, self.telemetry, self.options
         self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
+        self.metrics.watch_nvml((self.nvml, self.footing.events))
         try:
             await monitor.open()  # before any device is served: no XID after that is missed
         except Exception as err:  # the health task registers again when it runs, with its restarts
@@ -234,6 +238,8 @@ class Agent:
         rolling update), ready once what it can serve beside the old agent is served: in DRA mode its DRA plugin
         registered with the kubelet and the ResourceSlice published; else at once. The DaemonSet then stops the
         old agent, and this one takes over."""
+        if self.monitor.stuck is not None:
+            return False, self.monitor.stuck.describe()
         if self.footing.lock.held:
             return self.ready()
         if (problem := self.backend.problem()) is not None:
@@ -386,8 +392,11 @@ class Agent:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        with contextlib.suppress(Exception):
-            await self.monitor.close()
+        stuck = self.nvml.overdue() or self.footing.events.overdue()
+        if stuck is None:  # a stuck driver is asked nothing more: the process's exit frees the event set
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(STOP_NVML_S):
+                    await self.monitor.close()
         await self.plugins.stop(grace=1.0)
         self.search.shutdown(wait=False, cancel_futures=True)
         if self.http is not None:

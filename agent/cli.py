@@ -494,6 +494,8 @@ FAULTS = {
     "lost-handle": "make GPU fall off the bus as NVML also shows it: its handle is given, every call on it fails "
                    "with GpuIsLost",
     "ecc": "set GPU's volatile uncorrected ECC error count (VALUE: the count)",
+    "hang": "make every NVML call about GPU (or, with GPU 'all', every call) block until unhang",
+    "unhang": "let the calls hang blocked return (GPU, or 'all' for the driver)",
     "clear": "undo lost and uncorrected ECC on GPU (an XID is an event: the agent's recovery checks clear it)",
 }
 
@@ -509,15 +511,17 @@ def _add_fault_parser(sub: Any) -> None:
     fault.add_argument("--mock-state", required=True, type=_path, metavar="FILE",
                        help="the running agent's --mock-state file")
     fault.add_argument("action", choices=tuple(FAULTS), help="what to do to the GPU")
-    fault.add_argument("gpu", metavar="GPU", help="GPU index")
+    fault.add_argument("gpu", metavar="GPU", help="GPU index ('all' for hang and unhang: the whole driver)")
     fault.add_argument("value", nargs="?", metavar="VALUE", help="XID number (xid) or error count (ecc)")
 
 
 def cmd_fault(args: argparse.Namespace) -> int:
     if not args.nvml.startswith("mock:"):
         raise CliError(f"--nvml must name the mock node (mock:PRESET or mock:FILE), got {args.nvml!r}")
-    if not args.gpu.isdigit():
-        raise CliError(f"GPU must be a GPU index (a number), got {args.gpu!r}")
+    whole_driver = args.gpu == "all" and args.action in ("hang", "unhang")
+    if not args.gpu.isdigit() and not whole_driver:
+        raise CliError(f"GPU must be a GPU index (a number){' or all' if args.action in ('hang', 'unhang') else ''}, "
+                       f"got {args.gpu!r}")
     needs_value = args.action in ("xid", "ecc")
     if needs_value and (args.value is None or not args.value.isdigit()):
         raise CliError(f"{args.action} needs a VALUE that is a number, got {args.value!r}")
@@ -527,9 +531,11 @@ def cmd_fault(args: argparse.Namespace) -> int:
         raise CliError(f"the directory of --mock-state {args.mock_state} does not exist")
     backend = _backend(args.nvml, args.mock_state)
     fake = backend.lib
-    gpu, value = int(args.gpu), int(args.value or 0)
+    gpu, value = (-1 if whole_driver else int(args.gpu)), int(args.value or 0)
     try:
-        if args.action == "xid":
+        if args.action in ("hang", "unhang"):
+            fake.set_hung(None if whole_driver else gpu, args.action == "hang")
+        elif args.action == "xid":
             fake.inject_xid(gpu, value)
         elif args.action in ("lost", "lost-handle"):
             fake.set_gpu_lost(gpu, True, keep_handle=args.action == "lost-handle")
@@ -543,7 +549,7 @@ def cmd_fault(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CliError(f"cannot write {args.mock_state}: {err.strerror}") from err
     shown = f" {value}" if needs_value else ""
-    print(f"GPU {gpu}: {args.action}{shown} written to {args.mock_state}")
+    print(f"{'driver' if whole_driver else f'GPU {gpu}'}: {args.action}{shown} written to {args.mock_state}")
     return 0
 
 

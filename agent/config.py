@@ -359,6 +359,9 @@ class CheckActions(_Strict):
     retired_pages_pending: Action = Field(default="warn", alias="retiredPagesPending")
     thermal_throttle: Action = Field(default="warn", alias="thermalThrottle")
     power_brake: Action = Field(default="warn", alias="powerBrake")
+    nvml_unresponsive: Action = Field(default="node-fatal", alias="nvmlUnresponsive")
+    """An NVML call past its deadline (health.nvmlDeadlineSeconds): the GPU it concerns, or every GPU for a call
+    that concerns none."""
 
 
 class TaintSettings(_Strict):
@@ -384,6 +387,8 @@ class HealthSettings(_Strict):
     sample_interval_seconds: StrictFloat = Field(default=5.0, ge=0.05, le=3600, alias="sampleIntervalSeconds")
     recovery_checks: StrictInt = Field(default=3, ge=1, le=1000, alias="recoveryChecks")
     """Consecutive clean samples after the last fault before a GPU is healthy again."""
+    nvml_deadline_seconds: StrictFloat = Field(default=10.0, ge=0.5, le=3600, alias="nvmlDeadlineSeconds")
+    """How long an NVML read may take before it counts as stuck (checks.nvmlUnresponsive)."""
     node_fatal_unhealthy_gpus: StrictInt = Field(default=0, ge=0, alias="nodeFatalUnhealthyGpus")
     """Taint the node when at least this many GPUs are unhealthy; 0 turns this off."""
     taint: TaintSettings = TaintSettings()
@@ -427,6 +432,9 @@ class MigSettings(_Strict):
     busy_policy: Literal["fail", "wait"] = Field(default="fail", alias="busyPolicy")
     """When pods hold devices of a GPU to change: fail at once naming them, or wait for them to end."""
     busy_wait_seconds: StrictFloat = Field(default=300.0, ge=0, le=86400, alias="busyWaitSeconds")
+    nvml_deadline_seconds: StrictFloat = Field(default=300.0, ge=10, le=86400, alias="nvmlDeadlineSeconds")
+    """How long the NVML calls of one MIG apply (its planning, changes and check) may take together before they
+    count as stuck (health.checks.nvmlUnresponsive)."""
 
 
 DRA_DRIVER_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+"

@@ -20,8 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,6 +43,7 @@ from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.nvml.identity import load_identities, save_identities
 from agent.nvml.records import node_clique
+from agent.nvmlthread import NvmlStuck, NvmlThread
 from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
 
@@ -96,23 +96,11 @@ class AgentOptions:
         return Paths.under(self.kubelet_dir.parent, dra.driver_name, dra.cdi_root, self.pod_uid)
 
 
-class NvmlThread:
-    """Every NVML call runs on this one worker thread, so NVML is never entered concurrently."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-
-    async def __call__(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 @dataclass
 class Footing:
-    """What the agent holds before NVML answers, in every mode: the kubelet-directory lock, the NVML thread,
-    the metrics and, with a metrics port, the HTTP endpoint serving them."""
+    """What the agent holds before NVML answers, in every mode: the kubelet-directory lock, the NVML threads (the
+    calls, and the wait for XID events: agent/nvmlthread.py), the metrics and, with a metrics port, the HTTP
+    endpoint serving them."""
 
     backend: NvmlBackend
     options: AgentOptions
@@ -124,6 +112,8 @@ class Footing:
     readiness: Readiness
     http: HttpEndpoint | None
     """None without a metrics port."""
+    events: NvmlThread = field(default_factory=lambda: NvmlThread("nvml-events"))
+    """The wait for XID events, apart so that it never holds a call nor waits behind a stuck one."""
 
     @classmethod
     async def take(cls, backend: NvmlBackend, options: AgentOptions) -> Footing:
@@ -169,9 +159,14 @@ class Footing:
         if self.http is not None:
             await self.http.stop()
         await _close_kube(self.options)
-        with contextlib.suppress(Exception):
-            await self.nvml(self.backend.shutdown)
+        try:
+            await self.nvml.if_answering(self.backend.shutdown)
+        except NvmlStuck as err:  # a call that never returns must not hold the stop: its thread ends with us
+            log.warning("stopping without shutting NVML down: %s", err)
+        except Exception as err:  # NVML answered with an error: nothing more to give back
+            log.debug("NVML shutdown: %s", err)
         self.nvml.close()
+        self.events.close()
         self.lock.release()
 
 
@@ -188,16 +183,27 @@ async def _init_nvml(footing: Footing) -> NodeState:
         remembered = footing.backend.remembered
         for index, gpu in load_identities(identities).items():
             remembered.setdefault(index, gpu)
+    deadline = footing.options.config.health.nvml_deadline_seconds
+    footing.nvml.deadline_s = deadline
     for attempt in range(1, NVML_INIT_ATTEMPTS + 1):
         try:
-            await footing.nvml(footing.backend.init)
+            try:
+                async with asyncio.timeout(deadline):
+                    await footing.nvml(footing.backend.init, what="nvmlInit")
+            except TimeoutError:
+                raise NvmlUnavailable(f"NVML initialisation did not answer within {deadline:g}s "
+                                      "(health.nvmlDeadlineSeconds)") from None
             break
         except NvmlUnavailable as err:
             if attempt == NVML_INIT_ATTEMPTS:
                 raise
             log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
             await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
-    inventory = await footing.nvml(footing.backend.inventory)
+    try:
+        async with asyncio.timeout(deadline):
+            inventory = await footing.nvml(footing.backend.inventory, what="the inventory")
+    except TimeoutError:
+        raise NvmlUnavailable(f"NVML did not list the GPUs within {deadline:g}s (health.nvmlDeadlineSeconds)") from None
     if identities is not None:
         save_identities(identities, footing.backend.remembered)
     lost = [g for g in inventory.gpus if g.lost]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +20,7 @@ from prometheus_client.registry import Collector
 from agent import logsink
 from agent.inventory import Device
 from agent.nvml.records import HealthReading
+from agent.nvmlthread import NvmlThread
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,10 @@ class Metrics:
     def watch_ready(self, ready: Callable[[], tuple[bool, str]]) -> None:
         self.registry.register(ReadyCollector(ready))
 
+    def watch_nvml(self, threads: Sequence[NvmlThread]) -> None:
+        """The NVML calls in flight on these threads: the oldest's age and the calls past their deadline."""
+        self.registry.register(NvmlCollector(tuple(threads)))
+
     def watch(self, bus: StateBus, devices: Callable[[], dict[str, tuple[Device, ...]]],
               telemetry: Callable[[], Mapping[str, HealthReading]],
               xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
@@ -108,6 +114,28 @@ class _LogDropCollector(Collector):
                                      "being read (agent/logsink.py).")
         family.add_metric([], sum(sink.dropped for sink in logsink.sinks()))
         yield family
+
+
+class NvmlCollector(Collector):
+    def __init__(self, threads: tuple[NvmlThread, ...]) -> None:
+        self._threads = threads
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        oldest = GaugeMetricFamily("gpu_agent_nvml_call_age_seconds",
+                                   "How long the oldest NVML call in flight has been running (0 when none).")
+        waited = [call.waited(now) for thread in self._threads if (call := thread.current) is not None]
+        oldest.add_metric([], max(waited, default=0.0))
+        yield oldest
+        overdue = CounterMetricFamily("gpu_agent_nvml_overdue_calls",
+                                      "NVML calls that ran past their deadline (health.nvmlDeadlineSeconds).")
+        for thread in self._threads:
+            thread.overdue(now)
+        overdue.add_metric([], sum(thread.overdue_calls for thread in self._threads))
+        yield overdue
 
 
 class ReadyCollector(Collector):

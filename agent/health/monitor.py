@@ -4,26 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from agent.config import HealthSettings
-from agent.health.policy import Verdict, classify_reading, classify_xid
+from agent.health.policy import NVML_UNRESPONSIVE, Verdict, classify_reading, classify_xid
 from agent.nvml.backend import EventSetGone, NvmlBackend
 from agent.nvml.records import HealthReading, NodeInventory
+from agent.nvmlthread import Call, NvmlCall, NvmlThread
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+
 
 LOST = HealthReading(uuid="", lost=True)
 """The sample of a GPU NVML cannot read whole."""
 
 EVENT_WAIT_MS = 500
-"""One event wait on the NVML thread (an event ends it at once); bounded so samples and MIG changes
-interleave without concurrent NVML calls."""
+"""One event wait on the events thread (an event ends it at once); bounded so that a stop or a lost event set is
+noticed within it."""
+WATCH_S = 0.25
+"""How often the NVML threads are looked at for a call past its deadline."""
+
+
+def _drop(wait: asyncio.Future[Any]) -> None:
+    """Take the outcome of a wait for events nobody will handle (the set was freed under it)."""
+    if not wait.cancelled():
+        wait.exception()
 
 
 class HealthMonitor:
@@ -34,10 +43,17 @@ class HealthMonitor:
     answers, one with uncorrected ECC errors until it is reset.
     """
 
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any]) -> None:
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall, events: NvmlCall | None = None,
+                 watched: Sequence[NvmlThread] = ()) -> None:
         self._backend = backend
         self._bus = bus
         self._nvml = nvml
+        self._events = events or nvml
+        """Where the wait for XID events runs: apart from the other calls, so neither holds up the other."""
+        self._watched = tuple(watched)
+        """The NVML threads whose calls have deadlines: a call past its deadline is a fault."""
+        self._stuck: dict[str, Call] = {}
+        """The call past its deadline on each NVML thread, by the thread's name."""
         self._faults: dict[str, Verdict] = {}
         self._clean: dict[str, int] = {}
         self._warned: dict[str, str] = {}
@@ -51,6 +67,8 @@ class HealthMonitor:
         self.events_seen = 0
         """XID events taken from NVML so far (simulate waits on this)."""
         self._event_set: Any = None
+        self._wait: asyncio.Future[Any] | None = None
+        """The wait for events in flight, kept across a restart of the monitor."""
 
     def _fault(self, uuid: str, verdict: Verdict) -> None:
         self._clean[uuid] = 0
@@ -101,10 +119,11 @@ class HealthMonitor:
         state = self._bus.current
         readings = {}
         for gpu in state.inventory.gpus:
-            readings[gpu.index] = await self._nvml(lambda i=gpu.index: self._backend.health(i))  # type: ignore[misc]
+            readings[gpu.index] = await self._nvml(lambda i=gpu.index: self._backend.health(i),  # type: ignore[misc]
+                                                   what="the health sample", gpu=gpu.index)
         inventory = state.inventory
         if any(g.lost and not readings[g.index].lost for g in inventory.gpus):
-            inventory = await self._nvml(self._backend.inventory)
+            inventory = await self._nvml(self._backend.inventory, what="the inventory")
             back = [g for g in inventory.gpus if not g.lost and state.inventory.gpus[g.index].lost]
             for gpu in back:
                 log.info("GPU %d %s answers NVML again and is read whole", gpu.index, gpu.uuid)
@@ -157,30 +176,98 @@ class HealthMonitor:
             self._event_set = await self._nvml(self._backend.open_events)
 
     async def run(self) -> None:
-        """Sample and take events until cancelled. The event set stays registered when this fails and is run
-        again (the agent's supervisor restarts it), a failed wait for events included: NVML keeps the events a
-        registered set receives, so an XID that comes while the monitor restarts is taken when it runs again, not
-        lost. Only a set NVML no longer knows is given up and registered anew."""
+        """Sample, take events and watch NVML's calls until cancelled, each on its own loop so that none waits on
+        another: samples every sampleIntervalSeconds, whatever the event wait does; an XID taken while a sample
+        hangs; a call past its deadline reported while both hang. The event set stays registered when this fails
+        and is run again (the agent's supervisor restarts it), a failed wait for events included: NVML keeps the
+        events a registered set receives, so an XID that comes while the monitor restarts is taken when it runs
+        again, not lost. Only a set NVML no longer knows is given up and registered anew."""
         await self.open()
+        loops = [asyncio.create_task(self._sample_loop(), name="health-samples"),
+                 asyncio.create_task(self._event_loop(), name="health-events")]
+        if self._watched:
+            loops.append(asyncio.create_task(self._watch_loop(), name="health-nvml-watch"))
+        try:
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await self.sample()
+            await asyncio.sleep(self._policy.sample_interval_seconds)
+
+    async def _event_loop(self) -> None:
         event_set = self._event_set
         assert event_set is not None
-        loop = asyncio.get_running_loop()
-        next_sample = 0.0
         while True:
-            if loop.time() >= next_sample:
-                await self.sample()
-                next_sample = loop.time() + self._policy.sample_interval_seconds
+            if self._wait is None:
+                self._wait = asyncio.ensure_future(self._events(
+                    lambda: self._backend.wait_event(event_set, EVENT_WAIT_MS), what="nvmlEventSetWait"))
+            # A wait in flight when the monitor stops (another loop failed) is kept, not cancelled: the event it
+            # takes from NVML is handled when the monitor runs again.
+            wait = self._wait
             try:
-                event = await self._nvml(lambda: self._backend.wait_event(event_set, EVENT_WAIT_MS))
+                event = await asyncio.shield(wait)
             except EventSetGone:
+                self._wait = None
                 await self.close()  # NVML lost the set itself: the next run registers a new one
                 raise
+            except Exception:
+                self._wait = None
+                raise
+            self._wait = None
             if event is not None:
                 await self.on_xid(event.gpu_uuid, event.xid)
                 self.events_seen += 1
 
+    async def _watch_loop(self) -> None:
+        while True:
+            deadline = self._policy.nvml_deadline_seconds
+            for thread in self._watched:
+                thread.deadline_s = deadline
+                stuck, reported = thread.overdue(), self._stuck.get(thread.name)
+                if stuck is not None and reported is None:
+                    self._stuck[thread.name] = stuck
+                    await self.on_stuck(stuck)
+                elif stuck is None and reported is not None:
+                    del self._stuck[thread.name]
+                    log.info("NVML answers again: %s returned after %.1fs; the GPUs recover as usual",
+                             reported.what, reported.waited())
+            await asyncio.sleep(WATCH_S)
+
+    @property
+    def stuck(self) -> Call | None:
+        """The oldest NVML call past its deadline now, if one (an episode lasts from its deadline until NVML
+        answers again)."""
+        return min(self._stuck.values(), key=lambda call: call.started, default=None)
+
+    async def on_stuck(self, call: Call) -> None:
+        """An NVML call ran past its deadline: the GPU it concerns (every GPU for a call that concerns none) is
+        faulty by health.checks.nvmlUnresponsive until NVML answers and the usual clean samples follow."""
+        log.warning("%s", call.describe())
+        inventory = self._bus.current.inventory
+        on = "" if call.gpu is None else f" on GPU {call.gpu}"
+        verdict = Verdict(self._policy.checks.nvml_unresponsive,
+                          f"{NVML_UNRESPONSIVE}: {call.what}{on} did not return within {call.deadline_s:g}s")
+        if verdict.faulty:
+            for gpu in inventory.gpus:
+                if call.gpu is None or gpu.index == call.gpu:
+                    self._fault(gpu.uuid, verdict)
+        await self._publish()
+
     async def close(self) -> None:
-        """Free the event set (the agent is stopping)."""
+        """Free the event set (the agent is stopping, or NVML lost it); a wait still in flight then ends with
+        nothing to hand over."""
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            wait.add_done_callback(_drop)
+            if not wait.done():  # the set is not freed under a wait in flight: it ends within EVENT_WAIT_MS
+                await asyncio.wait({wait}, timeout=EVENT_WAIT_MS / 1000 + 0.5)
         if self._event_set is not None:
             event_set, self._event_set = self._event_set, None
-            await self._nvml(lambda: self._backend.close_events(event_set))
+            await self._nvml(lambda: self._backend.close_events(event_set), what="nvmlEventSetFree")

@@ -37,6 +37,9 @@ def classify_xid(xid: int, policy: HealthSettings) -> Verdict:
 
 
 LOST_REASON = "GPU is lost (fallen off the bus)"
+NVML_UNRESPONSIVE = "NVML unresponsive"
+"""The start of the reason of a fault from an NVML call past its deadline; the node condition's reason is then
+NvmlUnresponsive."""
 
 
 def classify_reading(reading: HealthReading, policy: HealthSettings) -> Verdict:

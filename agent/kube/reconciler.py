@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.health.policy import NVML_UNRESPONSIVE
 from agent.kube.usage import ApiCounts, Backoff
 from agent.kube.view import Condition, NodeView, describe_error, is_conflict, is_expired
 from agent.state import NodeState, StateBus
@@ -122,7 +123,8 @@ def node_intent(state: NodeState, labels: dict[str, str], taint: TaintPolicy) ->
     unhealthy = sorted(h.reason for h in state.health.values() if not h.healthy)
     total = len(state.inventory.gpus)
     if fault is not None:
-        condition = Condition(CONDITION_TYPE, "False", "NodeGPUFault", fault)
+        reason = "NvmlUnresponsive" if fault.startswith(NVML_UNRESPONSIVE) else "NodeGPUFault"
+        condition = Condition(CONDITION_TYPE, "False", reason, fault)
     elif unhealthy:
         condition = Condition(CONDITION_TYPE, "False", "GPUUnhealthy",
                               f"{len(unhealthy)} of {total} GPUs unhealthy: {', '.join(unhealthy)}")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 from agent.locks import Held, mig_apply_lock
 from agent.metrics import Metrics
@@ -19,14 +18,13 @@ from agent.mig.layout import LayoutError, MigLayout, load_layouts
 from agent.mig.planner import NodePlan, PlanError
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.mig_ops import MigCallError, MigOps
+from agent.nvmlthread import NvmlCall
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
 from agent.yamlfile import clip, one_line
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 
 BUSY_POLL_S = 2.0
 RETRY_DELAYS_S = (30.0, 60.0, 120.0, 300.0, 600.0)
@@ -58,7 +56,7 @@ def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
 
 
 class MigController:
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any], metrics: Metrics | None = None,
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall, metrics: Metrics | None = None,
                  claimed: Callable[[], list[DeviceHolder]] = list) -> None:
         self._metrics = metrics
         self._claimed = claimed
@@ -131,7 +129,7 @@ class MigController:
         gpus = len(state.inventory.gpus)
         try:
             layout = self._layout(state, name)
-            plan = await self._nvml(lambda: plan_layout(self._ops, gpus, layout))
+            plan = await self._nvml(lambda: plan_layout(self._ops, gpus, layout), what="planning the MIG layout")
         except (LayoutError, OSError, PlanError) as err:
             reason = one_line(str(err))
             self._settled = True  # the layouts file or the GPUs rule it out: trying again changes nothing
@@ -165,7 +163,8 @@ class MigController:
                 return apply_layout(self._ops, gpus, layout, journal, step=log.info)
 
         try:
-            result = await self._nvml(locked_apply)
+            result = await self._nvml(locked_apply, what=f"the MIG apply of {clip(name)}",
+                                      deadline_s=state.config.mig.nvml_deadline_seconds)
         except Held as err:  # someone runs `gpu-agent mig apply` on this node
             result = ApplyResult(name, "failed", str(err))
         except Exception as err:  # an NVML error mid-apply: report it; the next apply converges from there

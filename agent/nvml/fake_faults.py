@@ -38,6 +38,17 @@ class FakeFaults(FakeCalls):
         state.lost_keeps_handle = lost and keep_handle
 
     @fault_call
+    def set_hung(self, gpu_index: int | None = None, hung: bool = True) -> None:
+        """Make every NVML call about GPU `gpu_index` block (None: every call, the whole driver) until it is
+        unhung, as the calls of a GPU off the bus or of a wedged driver do; a call already blocked returns once
+        unhung."""
+        if gpu_index is None:
+            self._state.driver_hung = hung
+        else:
+            self._check_gpu_index(gpu_index)
+            self._gpu_state(gpu_index).hung = hung
+
+    @fault_call
     def set_ecc_uncorrected(self, gpu_index: int, count: int) -> None:
         """Set the volatile uncorrected ECC count; a rise also adds to the aggregate count and raises a
         double-bit ECC event."""

@@ -140,6 +140,22 @@ class FakeHandles(FakeState):
 
     # --- lookups -----------------------------------------------------------------------------------
 
+    def _hangs(self, args: tuple[Any, ...]) -> bool:
+        """Every call while the driver hangs, and a call about a hung GPU: one given its handle (or that of one
+        of its MIG devices, GPU or compute instances) or its index."""
+        if self._state.driver_hung:
+            return True
+        if not args:
+            return False
+        first = args[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            index: int | None = first
+        else:
+            ref = Ref.of(first) if isinstance(first, ctypes._Pointer) else None
+            kinds = (KIND_GPU, KIND_MIG, KIND_GI, KIND_CI)
+            index = ref.gpu if ref is not None and ref.kind in kinds else None
+        return index is not None and 0 <= index < len(self.spec.gpus) and self._gpu_state(index).hung
+
     def _gpu_state(self, index: int) -> GpuState:
         return self._state.gpus[self.spec.gpus[index].uuid]
 

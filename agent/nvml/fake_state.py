@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pynvml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -88,6 +89,8 @@ class GpuState(_Record):
     """How NVML shows the lost GPU: False, no handle (nvmlDeviceGetHandleByIndex fails with GPU_IS_LOST); True, the
     handle is given and every call on it fails with GPU_IS_LOST."""
     busy: bool = False
+    hung: bool = False
+    """Every call about this GPU blocks until it is unhung, as on a GPU whose driver calls no longer return."""
     ecc_corrected_volatile: int = 0
     ecc_uncorrected_volatile: int = 0
     ecc_corrected_aggregate: int = 0
@@ -120,6 +123,8 @@ class _State(_Record):
     format: Literal[1] = 1
     node: str = ""
     driver_loaded: bool = True
+    driver_hung: bool = False
+    """Every call blocks until the driver is unhung (a wedged driver, a GPU off the bus holding it)."""
     next_token: int = 1
     next_seq: int = 1
     gpus: dict[str, GpuState] = {}
@@ -131,6 +136,9 @@ class EventSet:
     registrations: dict[int, int] = field(default_factory=dict)
     queue: deque[_EventRecord] = field(default_factory=deque)
     freed: bool = False
+
+
+HANG_POLL_S = 0.02
 
 
 def crash_after_from_env() -> int | None:
@@ -153,6 +161,7 @@ def api_call(*, mutates: bool = False) -> Callable[
 
         @functools.wraps(fn)
         def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            self._wait_while_hung(args)
             with self._lock:
                 self._take_injected_failure(name)
                 if needs_init and self._refcount == 0:
@@ -259,6 +268,24 @@ class FakeState(FakeTelemetry):
         if unknown:
             raise MockStateError(f"mock state {path}: GPU {clip(unknown[0])} is not a GPU of node {self.spec.name!r}")
         return state
+
+    def _hangs(self, args: tuple[Any, ...]) -> bool:
+        """Whether a call with these arguments blocks now: every call while the driver hangs (FakeHandles adds
+        the calls about a hung GPU)."""
+        return self._state.driver_hung
+
+    def _wait_while_hung(self, args: tuple[Any, ...]) -> None:
+        """Block, as the real library's call would, while the driver or the GPU the call is about hangs; the
+        state is looked at again every HANG_POLL_S (another process unhangs it through the state file)."""
+        while True:
+            with self._lock:
+                try:
+                    self._sync()
+                except pynvml.NVMLError:
+                    return  # the call itself says what is wrong with the state
+                if not self._hangs(args):
+                    return
+            time.sleep(HANG_POLL_S)
 
     def _sync(self) -> None:
         """Pick up changes another process wrote to the state file, and deliver its new events."""

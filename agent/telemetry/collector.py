@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+CLOSE_S = 1.0
+"""How long the task, stopping, waits for NVML to take its GPM samples back."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,10 @@ class TelemetryCollector:
                     async with asyncio.timeout(interval):
                         await self._config_change(state.config)
         finally:
-            await self._nvml(self.reader.close)
+            # The GPM samples given back, unless the driver does not answer: a stop never waits on it for long.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_S):
+                    await self._nvml(self.reader.close)
 
     async def _config_change(self, config: object) -> None:
         state = self._bus.current

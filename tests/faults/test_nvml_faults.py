@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import shutil
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from agent.deviceplugin.v1beta1 import api_pb2
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.simulate import InMemoryNode, StandInKubelet
+from tests.faults.agent_process import collect_lines, free_port, http_get
 from tests.plugin_harness import running_agent, short_dir, wait_until
 
 AGENT = [sys.executable, "-m", "agent.cli"]
@@ -34,29 +34,8 @@ GIVE_UP_S = BACKOFF_TOTAL_S + 8.0
 """...and must give up well before the kubelet's probes would have restarted it many times over."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-async def http_get(port: int, path: str) -> tuple[int, str] | None:
-    """One HTTP/1.0 GET on loopback; None while nothing listens yet, and where the agent's process exited in the
-    middle of the request (the connection reset: no answer)."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
-    except (OSError, TimeoutError):
-        return None
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 5)
-    except ConnectionResetError:
-        return None
-    finally:
-        writer.close()
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    return int(head.split()[1]), body
 
 
 def state_without_driver(path: Path, preset: str) -> FakeNvml:
@@ -73,9 +52,6 @@ async def answers(port: int, path: str, expected: tuple[int, str], timeout: floa
         await asyncio.sleep(0.05)
 
 
-async def collect_lines(stream: asyncio.StreamReader, lines: list[str]) -> None:
-    while line := await stream.readline():
-        lines.append(line.decode().rstrip("\n"))
 
 
 async def test_no_driver_at_start_retries_unready_then_gives_up_with_one_line(tmp_path: Path) -> None:

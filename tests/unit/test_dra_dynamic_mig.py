@@ -293,7 +293,7 @@ async def test_the_mig_manager_refuses_the_label_with_dynamic_mig(tmp_path: Path
     config = parse_config(f"version: v1\ndra: {{enabled: true, dynamicMig: true}}\nmig: {{stateDir: {tmp_path}}}\n")
     bus = StateBus(NodeState(version=1, inventory=state.inventory, config=config))
 
-    async def nvml(fn: Any) -> Any:
+    async def nvml(fn: Any, **_: Any) -> Any:
         return fn()
 
     controller = MigController(backend, bus, nvml)

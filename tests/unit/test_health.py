@@ -70,7 +70,7 @@ def test_an_ignored_check_does_not_hide_another() -> None:
 # --- the monitor: XIDs and samples into NodeState, with hysteresis
 
 
-async def inline(fn: Callable[[], Any]) -> Any:
+async def inline(fn: Callable[[], Any], **_: Any) -> Any:
     return fn()
 
 

@@ -13,11 +13,11 @@ import yaml
 
 from agent.agent import STOP_TASK_S
 from agent.config import AgentConfig, parse_config
-from agent.daemon import NvmlThread
 from agent.mps import MpsDaemons
 from agent.nvml.backend import NvmlBackend, fake_backend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvmlthread import NvmlThread
 from agent.state import NodeState, StateBus
 from agent.telemetry.collector import TelemetryCollector
 from tests.plugin_harness import running_agent

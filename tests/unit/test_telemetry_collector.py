@@ -14,10 +14,10 @@ import grpc
 import yaml
 
 from agent.config import parse_config
-from agent.daemon import NvmlThread
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
+from agent.nvmlthread import NvmlThread
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.state import NodeState, StateBus
