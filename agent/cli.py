@@ -218,7 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
             metrics_host=args.metrics_address, kube=kube,
             config_path=args.config, pod_uid=os.environ.get("POD_UID") or None,
-            gpu_identities=identity_dir(args.nvml, args.mock_state, config.mig.state_dir),
+            gpu_identities=identity_file(args.nvml, args.mock_state, config.mig.state_dir),
         )
         return await run_until_signal(backend, options)
 
@@ -234,13 +234,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
 
 
-def identity_dir(nvml: str, mock_state: Path | None, state_dir: Path) -> Path | None:
-    """Where `gpu-agent run` keeps what it read of each GPU (agent/nvml/identity.py): the MIG state directory on
-    a real node; on a simulated one, the directory of its --mock-state file, whose GPUs they are (none without
-    one: such a node starts anew every time)."""
+def identity_file(nvml: str, mock_state: Path | None, state_dir: Path) -> Path | None:
+    """Where `gpu-agent run` keeps what it read of each GPU (agent/nvml/identity.py): gpus.json in the MIG state
+    directory on a real node; on a simulated one, <mock-state stem>-gpus.json beside its --mock-state file, whose
+    GPUs they are (none without one: such a node starts anew every time)."""
+    from agent.nvml.identity import IDENTITY_FILE
+
     if nvml == "real":
-        return state_dir
-    return None if mock_state is None else mock_state.parent
+        return state_dir / IDENTITY_FILE
+    return None if mock_state is None else mock_state.with_name(f"{mock_state.stem}-gpus.json")
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:

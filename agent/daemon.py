@@ -82,8 +82,8 @@ class AgentOptions:
     runs the old one serves DRA at once (in DRA mode) and the rest once the old one stops (docs/dra.md, "Rolling
     updates"). Without it, a second agent on a node is refused."""
     gpu_identities: Path | None = None
-    """The directory where the agent keeps what it read of each GPU (gpus.json, agent/nvml/identity.py), so that
-    a GPU lost before a later start is still named; None keeps it only for the process's life."""
+    """The file where the agent keeps what it read of each GPU (agent/nvml/identity.py), so that a GPU lost before
+    a later start is still named; None keeps it only for the process's life."""
 
     def __post_init__(self) -> None:
         # The kubelet's PodResources socket, unless the config names one, is the one beside `kubelet_dir`.

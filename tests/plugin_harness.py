@@ -144,8 +144,8 @@ async def running_agent(
     advertised resource (unless the kubelet starts after the agent, `kubelet_first=False`) and the Node shows
     the first NodeState. The MIG state stays in that directory unless the config names another;
     `metrics_port` 0 picks a free port; `timeout` bounds each of the two waits; `await_node=False` yields
-    without waiting for the Node (one that never answers); `gpu_identities`: where the agent keeps what it
-    read of each GPU (AgentOptions.gpu_identities; by default nowhere)."""
+    without waiting for the Node (one that never answers); `gpu_identities`: the file where the agent keeps
+    what it read of each GPU (AgentOptions.gpu_identities; by default none)."""
     made = directory is None
     directory = directory or short_dir()
     fake = fake or FakeNvml(load_node(node))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from agent.config import HealthSettings
@@ -25,8 +27,16 @@ LOST = HealthReading(uuid="", lost=True)
 EVENT_WAIT_MS = 500
 """One event wait on the events thread (an event ends it at once); bounded so that a stop or a lost event set is
 noticed within it."""
+RECOUNT_S = 600.0
+"""A fault that changes only in a count (uncorrected ECC errors) is reported again at most this often."""
 WATCH_S = 0.25
 """How often the NVML threads are looked at for a call past its deadline."""
+
+
+def _kind(reason: str) -> str:
+    """A fault's reason without the count it starts with ("N uncorrected ECC error(s) since the last reset"); an
+    XID's ("XID 48") is its own."""
+    return re.sub(r"^\d+ ", "N ", reason)
 
 
 def _drop(wait: asyncio.Future[Any]) -> None:
@@ -57,6 +67,11 @@ class HealthMonitor:
         self._faults: dict[str, Verdict] = {}
         self._clean: dict[str, int] = {}
         self._warned: dict[str, str] = {}
+        self._reported: dict[str, float] = {}
+        """When each GPU's fault was last reported (by `clock`)."""
+        self.clock: Callable[[], float] = time.monotonic
+        self._warn_xids: dict[tuple[str, int], int] = {}
+        """Warn-level XIDs since the last sample, by (GPU UUID, XID): one warning each, with the count."""
         self._pending: list[tuple[str, str, str]] = []
         self.telemetry: dict[str, HealthReading] = {}
         """The latest sample of every GPU, by UUID (replaced whole, read by metrics)."""
@@ -71,10 +86,20 @@ class HealthMonitor:
         """The wait for events in flight, kept across a restart of the monitor."""
 
     def _fault(self, uuid: str, verdict: Verdict) -> None:
+        """The GPU is faulty: reported when its fault changes, but a fault that differs only in a count (a
+        growing uncorrected ECC count) at most once per RECOUNT_S, so a steady fault is one line and no new state
+        version per sample."""
         self._clean[uuid] = 0
-        if self._faults.get(uuid) != verdict:
-            self._faults[uuid] = verdict
-            self._pending.append((uuid, "fault", verdict.reason))
+        known = self._faults.get(uuid)
+        if known == verdict:
+            return
+        now = self.clock()
+        if (known is not None and known.action == verdict.action and _kind(known.reason) == _kind(verdict.reason)
+                and now - self._reported.get(uuid, now) < RECOUNT_S):
+            return
+        self._faults[uuid] = verdict
+        self._reported[uuid] = now
+        self._pending.append((uuid, "fault", verdict.reason))
 
     def _warn(self, uuid: str, reason: str) -> None:
         if self._warned.get(uuid) != reason:
@@ -155,6 +180,9 @@ class HealthMonitor:
                     self._warned.pop(gpu.uuid, None)
                 self._clean_sample(gpu.uuid)
         self.telemetry = telemetry
+        warned, self._warn_xids = self._warn_xids, {}
+        for (uuid, xid), count in warned.items():
+            self._pending.append((uuid, "warning", f"XID {xid}" if count == 1 else f"XID {xid} ({count} times)"))
         await self._publish(inventory if inventory is not state.inventory else None)
 
     async def on_xid(self, gpu_uuid: str, xid: int) -> None:
@@ -163,7 +191,9 @@ class HealthMonitor:
         if verdict.faulty:
             self._fault(gpu_uuid, verdict)
         elif verdict.action == "warn":
-            self._pending.append((gpu_uuid, "warning", verdict.reason))
+            # Taken with the next sample: a storm of one XID is one warning (and one state version) per interval.
+            self._warn_xids[(gpu_uuid, xid)] = self._warn_xids.get((gpu_uuid, xid), 0) + 1
+            return
         else:
             log.info("GPU %s: %s ignored by policy", gpu_uuid, verdict.reason)
         await self._publish()

@@ -21,6 +21,7 @@ from agent.yamlfile import InputFileError, read_text_file, write_atomically
 log = logging.getLogger(__name__)
 
 IDENTITY_FILE = "gpus.json"
+"""Its name in the MIG state directory (a simulated node keeps its own beside its --mock-state file)."""
 MAX_IDENTITY_BYTES = 256 * 1024
 """Far above a 64-GPU node's file (about 300 bytes a GPU)."""
 MAX_GPUS = 1024
@@ -57,10 +58,9 @@ def _record(gpu: GpuInfo) -> _Gpu:
                 pci_class=gpu.pci_class, brand=gpu.brand)
 
 
-def load_identities(state_dir: Path) -> dict[int, GpuInfo]:
-    """The GPUs an earlier agent read, by NVML index, as lost GpuInfo; {} where there is no file, and where it
-    cannot be used (one warning naming the file and why)."""
-    path = state_dir / IDENTITY_FILE
+def load_identities(path: Path) -> dict[int, GpuInfo]:
+    """The GPUs an earlier agent read (the file `path`), by NVML index, as lost GpuInfo; {} where there is no
+    file, and where it cannot be used (one warning naming the file and why)."""
     if not path.exists() and not path.is_symlink():
         return {}
     try:
@@ -87,10 +87,9 @@ def load_identities(state_dir: Path) -> dict[int, GpuInfo]:
             for g in data.gpus}
 
 
-def save_identities(state_dir: Path, remembered: dict[int, GpuInfo]) -> bool:
-    """Write what is known of each GPU when it differs from the file; True when it was written. A failure is one
-    warning: the agent serves all the same."""
-    path = state_dir / IDENTITY_FILE
+def save_identities(path: Path, remembered: dict[int, GpuInfo]) -> bool:
+    """Write what is known of each GPU to the file `path` when it differs from it; True when it was written. A
+    failure is one warning: the agent serves all the same."""
     text = _File(format=1, gpus=[_record(remembered[i]) for i in sorted(remembered)]).model_dump_json(indent=1)
     try:
         if read_text_file(path, MAX_IDENTITY_BYTES) == text:

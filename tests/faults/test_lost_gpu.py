@@ -74,7 +74,7 @@ async def test_a_gpu_lost_before_a_restart_keeps_the_node_tainted_and_is_named_b
     node = InMemoryNode("gpu-node-1")
     fake = FakeNvml(PRESET)
     config = fast_health()
-    async with running_agent("dgx-h100", config, kube=node, fake=fake, gpu_identities=tmp_path) as rig:
+    async with running_agent("dgx-h100", config, kube=node, fake=fake, gpu_identities=tmp_path / "gpus.json") as rig:
         assert rig.health() == ["Healthy"] * 8
         fake.set_gpu_lost(3, keep_handle=keep_handle)
         await wait_until(lambda: rig.health()[3] == "Unhealthy", 5, "GPU 3 unhealthy")
@@ -84,7 +84,7 @@ async def test_a_gpu_lost_before_a_restart_keeps_the_node_tainted_and_is_named_b
 
     # The agent restarts (a rolling update, an OOM kill) with GPU 3 still lost.
     async with recording(node) as taints, running_agent(
-            "dgx-h100", config, kube=node, fake=fake, gpu_identities=tmp_path) as rig:
+            "dgx-h100", config, kube=node, fake=fake, gpu_identities=tmp_path / "gpus.json") as rig:
         await rig.converged(5)
         assert [d.ID for d in rig.devices()] == UUIDS
         assert rig.health() == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4

@@ -31,7 +31,7 @@ from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import InMemoryNode
 from tests.plugin_harness import Rig as AgentRig
-from tests.plugin_harness import running_agent, short_dir, wait_until
+from tests.plugin_harness import carve_mig, running_agent, short_dir, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "daemonset" / "monitoring" / "gpu-node-agent-rules.yaml"
@@ -119,8 +119,8 @@ class Rig:
 async def cluster() -> AsyncIterator[Rig]:
     """gpu-node-1: a DGX H100 registered with its kubelet, with PodResources; gpu-node-2: an H200 whose kubelet
     never answers the device plugin (the agent is not ready) and whose MIG label asks for a layout while a pod
-    holds its GPU (the apply fails); gpu-node-3: an H200 whose only GPU was off the bus at start (nothing to
-    advertise) and whose API server refuses every watch as expired."""
+    holds its GPU (the apply fails); gpu-node-3: an H200 whose only GPU is in MIG mode with no MIG device yet
+    (nothing to advertise) and whose API server refuses every watch as expired."""
     directory = short_dir()
     other, third = directory / "other", directory / "third"
     fake2 = FakeNvml(load_node("single-h200"))
@@ -136,7 +136,7 @@ async def cluster() -> AsyncIterator[Rig]:
         servers.append(server)
     (third / "pr").mkdir(parents=True)  # its kubelet has not made its PodResources socket
     fake3 = FakeNvml(load_node("single-h200"))
-    fake3.set_gpu_lost(0)
+    carve_mig(fake3, 0, [])
     node2 = InMemoryNode("gpu-node-2")
     try:
         async with (

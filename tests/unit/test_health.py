@@ -164,3 +164,36 @@ async def test_thermal_slowdown_warns_once() -> None:
         await monitor.sample()
     assert unhealthy(bus) == {}
     assert [(i.kind, i.message) for i in bus.current.incidents] == [("warning", "thermal slowdown")]
+
+
+async def test_a_growing_ecc_count_is_one_fault_per_ten_minutes() -> None:
+    now = [1000.0]
+    monitor, bus, fake = await monitor_for()
+    monitor.clock = lambda: now[0]
+    for count in range(1, 122):  # ten minutes of samples every 5 s, one more error each, and one more
+        fake.set_ecc_uncorrected(1, count)
+        await monitor.sample()
+        now[0] += 5.0
+    ecc = "uncorrected ECC error(s) since the last reset"
+    assert [(i.kind, i.message) for i in bus.current.incidents] == [("fault", f"1 {ecc}"), ("fault", f"121 {ecc}")]
+    assert bus.current.version == 3
+    assert unhealthy(bus) == {1: f"121 {ecc}"}
+    # A fault of another class is told at once: the GPU falls off the bus.
+    fake.set_gpu_lost(1)
+    await monitor.sample()
+    assert bus.current.incidents[-1].message == "GPU is lost (fallen off the bus)"
+
+
+async def test_a_storm_of_one_warning_xid_is_one_warning_with_its_count_per_sample() -> None:
+    monitor, bus, _ = await monitor_for()
+    for _ in range(3000):
+        await monitor.on_xid(uuid(bus, 2), 63)
+    await monitor.on_xid(uuid(bus, 3), 94)
+    assert bus.current.version == 1  # nothing published per XID
+    await monitor.sample()
+    assert [(i.gpu_uuid, i.kind, i.message) for i in bus.current.incidents] == [
+        (uuid(bus, 2), "warning", "XID 63 (3000 times)"), (uuid(bus, 3), "warning", "XID 94")]
+    assert bus.current.version == 2
+    assert monitor.xid_counts == {(uuid(bus, 2), 63): 3000, (uuid(bus, 3), 94): 1}
+    await monitor.sample()
+    assert bus.current.version == 2

@@ -93,19 +93,19 @@ def test_an_earlier_agents_gpus_name_a_gpu_lost_before_this_one_started(tmp_path
     earlier = fake_backend(FakeNvml(PRESET))
     earlier.init()
     earlier.inventory()
-    assert save_identities(tmp_path, earlier.remembered)
-    assert not save_identities(tmp_path, earlier.remembered)  # unchanged: not written again
+    assert save_identities(tmp_path / IDENTITY_FILE, earlier.remembered)
+    assert not save_identities(tmp_path / IDENTITY_FILE, earlier.remembered)  # unchanged: not written again
 
     fake = FakeNvml(PRESET)
     fake.set_gpu_lost(2)
     backend = fake_backend(fake)
-    backend.remembered.update(load_identities(tmp_path))
+    backend.remembered.update(load_identities(tmp_path / IDENTITY_FILE))
     backend.init()
     gpu = backend.inventory().gpus[2]
     assert (gpu.index, gpu.uuid, gpu.pci_bus_id, gpu.minor, gpu.memory_mib, gpu.lost) == (
         2, UUIDS[2], BUS_IDS[2], PRESET.gpus[2].minor_number, 81559, True)
     # What was read is kept for the next agent, the lost GPU's identity among it.
-    save_identities(tmp_path, backend.remembered)
+    save_identities(tmp_path / IDENTITY_FILE, backend.remembered)
     assert [g["uuid"] for g in json.loads((tmp_path / IDENTITY_FILE).read_text())["gpus"]] == UUIDS
 
 
@@ -121,7 +121,7 @@ def test_a_gpu_file_the_agent_cannot_use_is_one_warning_and_not_used(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str, why: str) -> None:
     (tmp_path / IDENTITY_FILE).write_text(content)
     with caplog.at_level(logging.WARNING):
-        assert load_identities(tmp_path) == {}
+        assert load_identities(tmp_path / IDENTITY_FILE) == {}
     assert [r.getMessage() for r in caplog.records] == [
         f"the GPUs an earlier agent read are not used: {tmp_path / IDENTITY_FILE}: {why}"]
 
@@ -130,7 +130,7 @@ def test_a_gpu_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     os.mkfifo(tmp_path / IDENTITY_FILE)
     with caplog.at_level(logging.WARNING):
-        assert load_identities(tmp_path) == {}
+        assert load_identities(tmp_path / IDENTITY_FILE) == {}
     assert [r.getMessage() for r in caplog.records] == [
         f"the GPUs an earlier agent read are not used: {tmp_path / IDENTITY_FILE}: is a FIFO, not a regular file"]
 
