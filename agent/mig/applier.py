@@ -145,12 +145,15 @@ def _apply_gpu(ops: MigOps | _DryRun, plan: GpuPlan, pending: bool, orphaned: bo
 
 def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | None = None,
                  step: Step = lambda _: None) -> ApplyResult:
-    """Plan, apply and verify one layout. Runs on the NVML thread; every path ends in a result."""
+    """Plan, apply and verify one layout. Runs on the NVML thread; every path ends in a result, a GPU NVML cannot
+    read or change (lost) included: `failed`, naming it and the step."""
     try:
         plan = plan_layout(ops, gpus, layout)
+        orphans, pending = _repairs(ops, gpus, plan)
     except PlanError as err:
         return ApplyResult(layout.name, "failed", f"layout {layout.name!r} cannot be applied: {err}")
-    orphans, pending = _repairs(ops, gpus, plan)
+    except MigCallError as err:
+        return ApplyResult(layout.name, "failed", f"cannot plan the layout: {err}")
     if plan.noop and not orphans and not pending:
         if journal:
             journal.end()
@@ -174,8 +177,8 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
             waiting.append(str(err))
         except MigCallError as err:
             # The journal stays: the next apply (or the next start) goes on from the hardware as it is now.
-            at = done[-1] if done else f"GPU {gpu_plan.index}"
-            return ApplyResult(layout.name, "failed", f"NVML error at '{at}': {err}", plan)
+            after = f"after '{done[-1]}'" if done else "before any change"
+            return ApplyResult(layout.name, "failed", f"NVML error on GPU {gpu_plan.index} ({after}): {err}", plan)
     if waiting:
         # The journal stays too: after the reset or reboot, starting the agent finishes the layout.
         return ApplyResult(layout.name, "rebooting", "; ".join(waiting)
@@ -184,6 +187,8 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
         after = plan_layout(ops, gpus, layout)
     except PlanError as err:
         return ApplyResult(layout.name, "failed", f"layout {layout.name!r} did not verify: {err}", plan)
+    except MigCallError as err:
+        return ApplyResult(layout.name, "failed", f"layout {layout.name!r} could not be verified: {err}", plan)
     if not after.noop:
         return ApplyResult(layout.name, "failed",
                            f"layout {layout.name!r} did not verify; still to do: {after.describe()}", plan)

@@ -51,6 +51,7 @@ class FakeNvml(FakeFaults):
         self._events_ready = threading.Condition(self._lock)
         self._refcount = 0
         self._crash_after = crash_after_from_env()
+        self._lose_at = None
         self._changes = 0
         self._failures: dict[str, deque[int]] = {}
         self._event_sets: dict[int, EventSet] = {}

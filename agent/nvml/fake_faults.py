@@ -37,6 +37,16 @@ class FakeFaults(FakeCalls):
         state.lost = lost
         state.lost_keeps_handle = lost and keep_handle
 
+    def lose_after(self, gpu_index: int, changes: int, *, keep_handle: bool = False) -> None:
+        """Make GPU `gpu_index` fall off the bus right after the `changes`-th state-changing NVML call from now (a
+        MIG mode change, a GPU or compute instance made or destroyed), as set_gpu_lost would: the GPU lost in the
+        middle of a MIG apply. In this process only (the state file learns it with the next change)."""
+        self._check_gpu_index(gpu_index)
+        if changes < 1:
+            raise ValueError(f"changes must be at least 1, got {changes}")
+        with self._lock:
+            self._lose_at = (self._changes + changes, gpu_index, keep_handle)
+
     @fault_call
     def set_hung(self, gpu_index: int | None = None, hung: bool = True) -> None:
         """Make every NVML call about GPU `gpu_index` block (None: every call, the whole driver) until it is

@@ -209,6 +209,8 @@ class FakeState(FakeTelemetry):
     _refcount: int
     _crash_after: int | None
     _changes: int
+    _lose_at: tuple[int, int, bool] | None
+    """(change count, GPU index, keeps its handle): the GPU falls off the bus right after that change."""
     _failures: dict[str, deque[int]]
     _event_sets: dict[int, EventSet]
     _next_event_set: int
@@ -365,6 +367,11 @@ class FakeState(FakeTelemetry):
         self._changes += 1
         if self._crash_after is not None and self._changes >= self._crash_after:
             os._exit(CRASH_EXIT_CODE)
+        lose = self._lose_at
+        if lose is not None and self._changes >= lose[0]:
+            self._lose_at = None
+            state = self._state.gpus[self.spec.gpus[lose[1]].uuid]
+            state.lost, state.lost_keeps_handle = True, lose[2]
 
     def _take_injected_failure(self, name: str) -> None:
         codes = self._failures.get(name)

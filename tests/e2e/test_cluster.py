@@ -157,6 +157,69 @@ def test_a_gpu_fault_injected_from_the_host_lowers_allocatable_taints_and_recove
     eventually(lambda: own_taints() == [], 60, "the taint removed")
 
 
+def test_a_lost_gpu_keeps_the_taint_through_an_agent_restart_and_a_hung_gpu_never_holds_a_stop(
+        cluster: Cluster) -> None:
+    uuids = gpu_uuids()
+    def own_taints() -> list[dict[str, str]]:
+        return [{k: t[k] for k in ("key", "value", "effect")} for t in cluster.node()["spec"].get("taints", [])
+                if t["key"] == TAINT_KEY]
+    tainted = [{"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}]
+    # NVML keeps giving GPU 3's handle, and fails every call on it.
+    cluster.fault("lost-handle", "3")
+    try:
+        eventually(lambda: cluster.allocatable() == "7", 90, "Allocatable nvidia.com/gpu: 7")
+        assert eventually(own_taints, 60, "the agent's taint") == tainted
+
+        # The agent pod is deleted and the DaemonSet makes a new one: the taint is on the Node throughout.
+        seen: list[list[dict[str, str]]] = []
+        stop = threading.Event()
+        def follow_taints() -> None:
+            while not stop.is_set():
+                seen.append(own_taints())
+                time.sleep(0.1)
+        watcher = threading.Thread(target=follow_taints, daemon=True)
+        watcher.start()
+        try:
+            old = cluster.agent_pod()
+            cluster.kubectl("delete", "pod", "-n", NAMESPACE, old, "--wait=true", timeout=60)
+            def new_agent_ready() -> bool:
+                pods = [p for p in cluster.agent_pods() if p["metadata"]["name"] != old]
+                return any(c["type"] == "Ready" and c["status"] == "True"
+                           for p in pods for c in p["status"].get("conditions", []))
+            eventually(new_agent_ready, 120, "the new agent pod Ready")
+        finally:
+            stop.set()
+            watcher.join()
+        assert seen and all(t == tainted for t in seen), [t for t in seen if t != tainted][:3]
+        assert cluster.capacity() == {"nvidia.com/gpu": "8"}
+        assert cluster.allocatable() == "7"
+        condition = {c["type"]: c for c in cluster.node()["status"]["conditions"]}["GPUHealthy"]
+        assert (condition["status"], condition["reason"]) == ("False", "NodeGPUFault")
+        assert cluster.node()["metadata"]["labels"]["gpu-node-agent.io/gpu.lost"] == "1"
+        # The new agent names the lost GPU by the UUID the old one read (its Event, in `kubectl describe node`).
+        described = eventually(lambda: (d := cluster.kubectl("describe", "node", NODE))
+                               and f"GPU {uuids[3]}: GPU is lost" in d and d, 30, "the lost GPU's Event")
+        assert "nvidia.com/gpu:     8" in described and "nvidia.com/gpu:     7" in described
+
+        # GPU 5's calls stop returning: Unhealthy once past the deadline, and a stop of the agent never waits on it.
+        cluster.fault("hang", "5")
+        hung = time.monotonic()
+        eventually(lambda: cluster.allocatable() == "6", 30, "Allocatable nvidia.com/gpu: 6", interval=0.1)
+        TIMES["GPU hung -> Allocatable 6 on the Node (deadline 10 s)"] = time.monotonic() - hung
+        old = cluster.agent_pod()
+        started = time.monotonic()
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, old, "--wait=true", timeout=60)
+        TIMES["agent pod deleted with a GPU hung -> gone"] = time.monotonic() - started
+        assert time.monotonic() - started < 30  # the DaemonSet's terminationGracePeriodSeconds
+        cluster.fault("unhang", "5")
+    finally:
+        cluster.fault("unhang", "5")
+        cluster.fault("clear", "3")
+    eventually(lambda: cluster.allocatable() == "8", 120, "Allocatable nvidia.com/gpu: 8 again")
+    eventually(lambda: own_taints() == [], 60, "the taint removed")
+    eventually(lambda: cluster.agent_pods() and cluster.agent_pod(), 60, "one running agent pod")
+
+
 # --- the kubelet's Topology Manager -------------------------------------------------------------------------------
 
 

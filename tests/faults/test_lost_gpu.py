@@ -16,10 +16,14 @@ import yaml
 
 from agent.config import AgentConfig, parse_config
 from agent.deviceplugin.v1beta1 import api_pb2
+from agent.mig.applier import apply_layout
+from agent.mig.layout import parse_layouts
+from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from agent.simulate import InMemoryNode
-from tests.plugin_harness import running_agent, short_dir, wait_until
+from tests.plugin_harness import gpu_instances, running_agent, short_dir, wait_until
 
 RESOURCE = "nvidia.com/gpu"
 TAINT = {"key": "gpu-node-agent.io/gpu-fault", "value": "true", "effect": "NoSchedule"}
@@ -173,4 +177,80 @@ async def test_a_layout_with_a_lost_gpu_fails_naming_it_changes_nothing_and_with
         assert modes == [[pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]] * 8
         assert rig.agent.bus.current.draining == frozenset()
         assert [d.ID for d in rig.devices()] == UUIDS
+        assert rig.restarts() == {}
+
+
+TWO_OF_EIGHT = """\
+version: v1
+mig-configs:
+  first-two:
+    - devices: [0, 1]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+"""
+CHANGES = 2 * (1 + 7 + 7)
+"""What `first-two` changes from a fresh boot: per GPU, its MIG mode and seven GPU and seven compute instances."""
+
+
+def untouched(fake: FakeNvml, indices: range) -> list[tuple[int, list[int], int]]:
+    """(index, MIG mode current and pending, GPU instances) of the GPUs, by the fake's own calls."""
+    fake.nvmlInit()
+    try:
+        found = []
+        for i in indices:
+            handle = fake.nvmlDeviceGetHandleByIndex(i)
+            found.append((i, list(fake.nvmlDeviceGetMigMode(handle)), len(gpu_instances(fake, i))))
+        return found
+    finally:
+        fake.nvmlShutdown()
+
+
+@pytest.mark.parametrize("keep_handle", [False, True], ids=["no-handle", "handle-fails"])
+def test_a_gpu_lost_after_any_driver_call_of_an_apply_fails_it_naming_the_gpu_and_touches_no_other(
+        keep_handle: bool) -> None:
+    layout = parse_layouts(TWO_OF_EIGHT, "layouts.yaml").layout("first-two")
+    outcomes = []
+    for n in range(1, CHANGES + 2):
+        fake = FakeNvml(PRESET)
+        backend = fake_backend(fake)
+        backend.init()
+        fake.lose_after(1, n, keep_handle=keep_handle)
+        result = apply_layout(MigOps(backend), 8, layout)
+        outcomes.append(result.outcome)
+        if n <= CHANGES:
+            assert result.outcome == "failed", (n, result)
+            assert "GPU 1" in result.reason and result.reason.endswith("GPU is lost"), (n, result.reason)
+        else:
+            assert result.outcome == "success", (n, result)
+        # GPUs 2..7 are not in the layout: nothing changed on them, whenever GPU 1 went.
+        assert untouched(fake, range(2, 8)) == [(i, [0, 0], 0) for i in range(2, 8)], n
+        backend.shutdown()
+    assert outcomes == ["failed"] * CHANGES + ["success"]
+
+
+async def test_a_gpu_lost_in_the_middle_of_an_apply_ends_it_failed_and_gives_the_drained_gpus_back() -> None:
+    directory = short_dir()
+    config = parse_config(yaml.safe_dump({
+        "version": "v1", "flags": {"migStrategy": "mixed"},
+        "health": {"sampleIntervalSeconds": 0.1, "recoveryChecks": 2},
+        "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock"}}))
+    fake = FakeNvml(PRESET)
+    node = InMemoryNode("gpu-node-1")
+    async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
+        fake.lose_after(5, 20)  # GPU 5 goes in the middle of the apply of all-1g.10gb (8 x 15 changes)
+        await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
+        await wait_until(lambda: node.view.labels.get("nvidia.com/mig.config.state") == "failed", 20,
+                         "the layout to fail")
+        assert node.view.annotations["nvidia.com/mig.config.state.reason"].startswith("NVML error on GPU 5 (after ")
+        assert "GPU is lost" in node.view.annotations["nvidia.com/mig.config.state.reason"]
+        assert rig.agent.bus.current.draining == frozenset()
+        await wait_until(lambda: rig.agent.bus.current.gpu_health(UUIDS[5]).reason == LOST, 5, "GPU 5 lost")
+        await rig.converged(5)
+        assert node.view.taints == (TAINT,)
+        # GPU 5 is lost in the inventory under its own index; the GPUs the apply did not reach are served whole.
+        inventory = rig.agent.bus.current.inventory
+        assert [g.index for g in inventory.gpus] == list(range(8)) and inventory.gpus[5].uuid == UUIDS[5]
+        assert inventory.gpus[5].lost
+        whole = [d.ID for d in rig.devices()]
+        assert UUIDS[5] in whole and UUIDS[7] in whole
         assert rig.restarts() == {}
