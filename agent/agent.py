@@ -170,7 +170,7 @@ class Agent:
     async def begin(self) -> None:
         """Wire the metrics to the parts and start every task (and the DRA kubelet plugin's server)."""
         bus, monitor, telemetry, opts = self.bus, self.monitor, self.telemetry, self.options
-        self.metrics.watch(bus, self.devices, lambda: monitor.telemetry, lambda: monitor.xid_counts)
+        self.metrics.watch(bus, self.devices, monitor.current_readings, lambda: monitor.xid_counts)
         self.metrics.watch_nvml((self.nvml, self.footing.events))
         try:
             await monitor.open()  # before any device is served: no XID after that is missed
@@ -189,7 +189,7 @@ class Agent:
         self.metrics.watch_ready(self._ready)
         # Without an API server the figures are there all the same, at zero: dashboards need no special case.
         self.metrics.registry.register(ApiCollector(self.api_counts))
-        self.metrics.serve_also(renderer(lambda: telemetry.snapshot, lambda: bus.current, lambda: telemetry.enabled))
+        self.metrics.serve_also(renderer(lambda: telemetry.current, lambda: bus.current, lambda: telemetry.enabled))
         self.spawn("telemetry", telemetry.run)
         if opts.config_path is not None:
             self.spawn("config-reload", self.config_reload.follow)

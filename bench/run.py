@@ -39,7 +39,16 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
-from bench import cluster_bench, dra_bench, grpc_bench, kube_bench, mig_bench, report, telemetry_bench  # noqa: E402
+from bench import (  # noqa: E402
+    cluster_bench,
+    dra_bench,
+    grpc_bench,
+    kube_bench,
+    mig_bench,
+    report,
+    stuck_bench,
+    telemetry_bench,
+)
 from tests.integration import apiserver  # noqa: E402
 
 PREFERRED_PRESETS = ("a100-pcie-nvlink-pairs", "dgx-h100", "hgx-16-nvswitch", "pcie-16-nvlink-pairs")
@@ -58,6 +67,11 @@ TAINT_PRESET = "dgx-h100"
 DRA_PRESET = "dgx-h100"
 STEADY_PRESET = "dgx-h100"
 TELEMETRY_PRESET = "dgx-h100"
+STUCK_NODE = "bench-stuck-node"
+SIGTERM_MS = 10_000.0
+STUCK_RATIO = 2.0
+"""Allocate and GetPreferredAllocation p99 while NVML is stuck, at most this many times their p99 with it answering."""
+ENDPOINT_MS = 100.0
 
 PREFERRED_P99_MS = 20.0
 ALLOCATE_P99_MS = 2.0
@@ -96,6 +110,10 @@ class Plan:
     floor_calls: int = 3000
     clients_seconds: float = 30.0
     clients_back_to_back_seconds: float = 10.0
+    stuck_runs: int = 10
+    stuck_calls: int = 500
+    stuck_sigterm_runs: int = 5
+    stuck_restart_runs: int = 4
 
 
 FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50, process_allocations=10_000,
@@ -104,7 +122,8 @@ FULL = Plan(preferred_calls_per_size=100, allocate_calls=2000, xid_injections=50
 QUICK = Plan(preferred_calls_per_size=10, allocate_calls=200, xid_injections=16, process_allocations=2000,
              idle_s=10.0, many_preferred_calls=100, many_allocate_calls=200, mig_apply_runs=3,
              taint_injections=5, steady_state_s=30.0, telemetry_passes=10, telemetry_scrapes=50,
-             floor_calls=300, clients_seconds=5.0, clients_back_to_back_seconds=3.0)
+             floor_calls=300, clients_seconds=5.0, clients_back_to_back_seconds=3.0, stuck_runs=3, stuck_calls=100,
+             stuck_sigterm_runs=2, stuck_restart_runs=2)
 
 
 def figure(
@@ -177,7 +196,7 @@ class Sections:
 
 RESULTS = ROOT / "bench" / "results.json"
 SECTIONS = ("preferred", "allocate", "many_clients", "many_devices", "health", "telemetry", "mig_apply", "floor",
-            "process", "apiserver")
+            "process", "apiserver", "nvml_stuck")
 """The sections of the in-process run; apiserver is the taint, DRA withdrawal, steady-state and API-client process
 figures."""
 ONLY_CHOICES = (*SECTIONS, "cluster")
@@ -185,10 +204,12 @@ ONLY_CHOICES = (*SECTIONS, "cluster")
 FIGURE_SECTIONS = {"preferred": "preferred", "allocate": "allocate", "clients": "many_clients", "many": "many_devices",
                    "health": "health", "telemetry": "telemetry", "mig_apply": "mig_apply", "floor": "floor",
                    "process": "process", "process_kube": "apiserver", "taint": "apiserver", "dra": "apiserver",
-                   "steady": "apiserver"}
+                   "steady": "apiserver", "stuck": "nvml_stuck"}
 """The section each figure comes from, by the first part of its id; any other figure is the cluster's."""
 DETAIL_SECTIONS = {"taint": "apiserver", "dra_withdrawal": "apiserver", "steady_state": "apiserver",
-                   "process_kube": "apiserver"}
+                   "process_kube": "apiserver", "stuck_unhealthy": "nvml_stuck", "stuck_served": "nvml_stuck",
+                   "stuck_sigterm": "nvml_stuck", "stuck_taint": "nvml_stuck", "stuck_restart": "nvml_stuck",
+                   "stuck_apiserver": "nvml_stuck"}
 """Details kept under a name other than their section's."""
 
 
@@ -524,7 +545,70 @@ async def measure(plan: Plan, seed: int, workdir: Path,
               "start, "
               f"{kube_process['rss_after_allocations_bytes'] / MB:.1f} MB after {calls} Allocate calls; idle CPU "
               f"{kube_process['idle']['cpu_percent_of_core']} % of a core", flush=True)
+
+    if want("nvml_stuck"):
+        figures += await _nvml_stuck(plan, seed, workdir, section, details)
     return figures, details
+
+
+async def _nvml_stuck(plan: Plan, seed: int, workdir: Path, section: Sections,
+                      details: dict[str, Any]) -> list[dict[str, Any]]:
+    """A driver that stops answering (health.nvmlDeadlineSeconds 2 s) and a GPU lost through a restart."""
+    deadline_ms = stuck_bench.DEADLINE_S * 1000
+    where = f"{stuck_bench.PRESET}, deadline {stuck_bench.DEADLINE_S:g} s"
+    print(f"NVML stuck: {plan.stuck_runs} hung GPUs to Unhealthy ...", flush=True)
+    with section("stuck_unhealthy"):
+        unhealthy = await stuck_bench.stuck_to_unhealthy(plan.stuck_runs, _rng(seed, "stuck_unhealthy"))
+    details["stuck_unhealthy"] = unhealthy
+    with section("stuck_served"):
+        served = await stuck_bench.served_while_stuck(plan.stuck_calls, _rng(seed, "stuck_served"))
+    details["stuck_served"] = served
+    with section("stuck_sigterm"):
+        sigterm = await stuck_bench.sigterm_while_stuck(plan.stuck_sigterm_runs, workdir)
+    details["stuck_sigterm"] = sigterm
+    apiserver.ensure_testbin()
+    with apiserver.running(workdir / "apiserver-stuck", nodes=(STUCK_NODE,)) as rig:
+        details["stuck_apiserver"] = {"versions": apiserver.pinned_versions(), "node": STUCK_NODE}
+        with section("stuck_taint"):
+            taint = await stuck_bench.stuck_to_taint(rig.kubeconfig_path, STUCK_NODE, plan.stuck_runs,
+                                                     _rng(seed, "stuck_taint"))
+        details["stuck_taint"] = taint
+        with section("stuck_restart"):
+            restart = await stuck_bench.restart_with_a_lost_gpu(rig.kubeconfig_path, STUCK_NODE,
+                                                                plan.stuck_restart_runs, workdir)
+        details["stuck_restart"] = restart
+    answering, stuck = served["answering"], served["stuck"]
+    ratio = {m: round(stuck[m]["p99_ms"] / answering[m]["p99_ms"], 2) for m in ("allocate", "preferred")}
+    figures = [
+        figure("stuck.unhealthy.max", f"A GPU's NVML call hung to the GPU Unhealthy in ListAndWatch, max ({where})",
+               unhealthy["max_ms"], "ms", "<", deadline_ms + 2000),
+        figure("stuck.taint.max", f"A GPU's NVML call hung to the agent's taint on its Node in kube-apiserver, max "
+               f"({where})", taint["max_ms"], "ms", "<", deadline_ms + 3000),
+        figure("stuck.allocate.p99", f"Allocate p99 with NVML stuck on GPU 7 past its deadline ({where})",
+               stuck["allocate"]["p99_ms"], "ms", "<", ALLOCATE_P99_MS),
+        figure("stuck.allocate.ratio", "Allocate p99 with NVML stuck over its p99 with NVML answering (the same "
+               "agent)", ratio["allocate"], "x", "<=", STUCK_RATIO),
+        figure("stuck.preferred.p99", f"GetPreferredAllocation p99 with NVML stuck on GPU 7 ({where})",
+               stuck["preferred"]["p99_ms"], "ms", "<", PREFERRED_P99_MS),
+        figure("stuck.preferred.ratio", "GetPreferredAllocation p99 with NVML stuck over its p99 with NVML "
+               "answering (the same agent)", ratio["preferred"], "x", "<=", STUCK_RATIO),
+        figure("stuck.metrics.max", f"/metrics with NVML stuck, max of {stuck['metrics']['calls']}",
+               stuck["metrics"]["max_ms"], "ms", "<", ENDPOINT_MS),
+        figure("stuck.healthz.max", f"/healthz with NVML stuck, max of {stuck['healthz']['calls']}",
+               stuck["healthz"]["max_ms"], "ms", "<", ENDPOINT_MS),
+        figure("stuck.sigterm.max", f"SIGTERM to exit with the driver hung, max of {sigterm['calls']} gpu-agent "
+               "processes", sigterm["max_ms"], "ms", "<", SIGTERM_MS),
+        figure("stuck.restart.untainted", f"Node versions without the agent's taint while an agent restarts with a "
+               f"GPU lost ({restart['runs']} restarts, {restart['node_versions']} versions)",
+               restart["untainted_versions"], "versions", "==", 0),
+    ]
+    print(f"NVML stuck: to Unhealthy max {unhealthy['max_ms']} ms, to the taint max {taint['max_ms']} ms; Allocate "
+          f"p99 {answering['allocate']['p99_ms']} -> {stuck['allocate']['p99_ms']} ms, GetPreferredAllocation p99 "
+          f"{answering['preferred']['p99_ms']} -> {stuck['preferred']['p99_ms']} ms; /metrics max "
+          f"{stuck['metrics']['max_ms']} ms; SIGTERM max {sigterm['max_ms']} ms (exit {sigterm['exit_codes']}); "
+          f"{restart['untainted_versions']} of {restart['node_versions']} Node versions untainted through "
+          f"{restart['runs']} restarts with a lost GPU", flush=True)
+    return figures
 
 
 def main() -> int:

@@ -27,6 +27,8 @@ LOST = HealthReading(uuid="", lost=True)
 EVENT_WAIT_MS = 500
 """One event wait on the events thread (an event ends it at once); bounded so that a stop or a lost event set is
 noticed within it."""
+STALE_SAMPLES = 3
+"""A sample older than this many intervals (plus the NVML deadline) is not served as current."""
 RECOUNT_S = 600.0
 """A fault that changes only in a count (uncorrected ECC errors) is reported again at most this often."""
 WATCH_S = 0.25
@@ -74,7 +76,9 @@ class HealthMonitor:
         """Warn-level XIDs since the last sample, by (GPU UUID, XID): one warning each, with the count."""
         self._pending: list[tuple[str, str, str]] = []
         self.telemetry: dict[str, HealthReading] = {}
-        """The latest sample of every GPU, by UUID (replaced whole, read by metrics)."""
+        """The latest sample of every GPU, by UUID (replaced whole; metrics read `current_readings`)."""
+        self.sampled_at: float | None = None
+        """When the last sample ended (time.monotonic())."""
         self.xid_counts: dict[tuple[str, int], int] = {}
         """XID events seen, by (GPU UUID, XID)."""
         self.read_errors = 0
@@ -180,10 +184,20 @@ class HealthMonitor:
                     self._warned.pop(gpu.uuid, None)
                 self._clean_sample(gpu.uuid)
         self.telemetry = telemetry
+        self.sampled_at = time.monotonic()
         warned, self._warn_xids = self._warn_xids, {}
         for (uuid, xid), count in warned.items():
             self._pending.append((uuid, "warning", f"XID {xid}" if count == 1 else f"XID {xid} ({count} times)"))
         await self._publish(inventory if inventory is not state.inventory else None)
+
+    def current_readings(self) -> dict[str, HealthReading]:
+        """The latest sample while it is current; none once it is older than STALE_SAMPLES intervals and the NVML
+        deadline (a sample hangs on a driver that stopped answering): old readings are not served as new."""
+        policy = self._policy
+        limit = STALE_SAMPLES * policy.sample_interval_seconds + policy.nvml_deadline_seconds
+        if self.sampled_at is not None and time.monotonic() - self.sampled_at > limit:
+            return {}
+        return self.telemetry
 
     async def on_xid(self, gpu_uuid: str, xid: int) -> None:
         self.xid_counts[(gpu_uuid, xid)] = self.xid_counts.get((gpu_uuid, xid), 0) + 1

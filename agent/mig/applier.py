@@ -177,8 +177,8 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
             waiting.append(str(err))
         except MigCallError as err:
             # The journal stays: the next apply (or the next start) goes on from the hardware as it is now.
-            after = f"after '{done[-1]}'" if done else "before any change"
-            return ApplyResult(layout.name, "failed", f"NVML error on GPU {gpu_plan.index} ({after}): {err}", plan)
+            where = f"after '{done[-1]}'" if done else "before any change"
+            return ApplyResult(layout.name, "failed", f"NVML error on GPU {gpu_plan.index} ({where}): {err}", plan)
     if waiting:
         # The journal stays too: after the reset or reboot, starting the agent finishes the layout.
         return ApplyResult(layout.name, "rebooting", "; ".join(waiting)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
+STALE_PASSES = 3
+"""A snapshot older than this many intervals (plus the NVML deadline) is not served: NVML stopped answering."""
 CLOSE_S = 1.0
 """How long the task, stopping, waits for NVML to take its GPM samples back."""
 
@@ -132,6 +134,18 @@ class TelemetryCollector:
         self.passes += 1
         self.pass_seconds = time.perf_counter() - started
         return self.snapshot
+
+    @property
+    def current(self) -> Snapshot:
+        """The last pass's snapshot while it is current; an empty one once it is older than STALE_PASSES intervals
+        and the NVML deadline (a pass hangs on a driver that stopped answering): old readings are not served as
+        if they were new."""
+        snapshot = self.snapshot
+        config = self._bus.current.config
+        limit = STALE_PASSES * config.telemetry.interval_seconds + config.health.nvml_deadline_seconds
+        if snapshot.taken_at and time.time() - snapshot.taken_at > limit:
+            return Snapshot()
+        return snapshot
 
     async def run(self) -> None:
         try:

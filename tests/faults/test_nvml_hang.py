@@ -38,6 +38,11 @@ CONFIG = {"version": "v1", "telemetry": {"dcgmMetrics": False},
 known to be its sample of GPU 3."""
 
 
+def series(rig: object, name: str) -> list[object]:
+    registry = rig.agent.metrics.registry  # type: ignore[attr-defined]
+    return [s for family in registry.collect() for s in family.samples if s.name == name]
+
+
 def metric(rig: object, name: str) -> float:
     registry = rig.agent.metrics.registry  # type: ignore[attr-defined]
     return next(s.value for family in registry.collect() for s in family.samples if s.name == name)
@@ -62,6 +67,9 @@ async def test_a_hung_gpu_is_unhealthy_within_its_deadline_and_the_rest_is_serve
             assert rig.agent._ready() == (False, rig.agent.monitor.stuck.describe())  # type: ignore[union-attr]
             assert metric(rig, "gpu_agent_nvml_call_age_seconds") > DEADLINE_S
             assert metric(rig, "gpu_agent_nvml_overdue_calls_total") == 1
+            # The samples stopped with the hung call: their readings are withdrawn, not served as current.
+            await wait_until(lambda: series(rig, "gpu_agent_gpu_temperature_celsius") == [], 3,
+                             "the stale readings withdrawn")
 
             # The kubelet is served meanwhile, and an XID on another GPU is taken.
             request = api_pb2.AllocateRequest(
@@ -87,6 +95,7 @@ async def test_a_hung_gpu_is_unhealthy_within_its_deadline_and_the_rest_is_serve
             answers = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NVML answers again")]
             assert len(answers) == 1 and answers[0].startswith("NVML answers again: the health sample returned after")
             assert metric(rig, "gpu_agent_nvml_overdue_calls_total") == 1
+            assert len(series(rig, "gpu_agent_gpu_temperature_celsius")) == 8
             assert rig.restarts() == {}
         finally:
             fake.set_hung(3, False)

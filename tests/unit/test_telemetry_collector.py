@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -171,3 +173,14 @@ async def test_the_task_follows_the_switch_and_the_interval() -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_a_pass_older_than_three_intervals_and_the_nvml_deadline_is_not_served_as_current() -> None:
+    async with rig(serve=False, intervalSeconds=10) as r:
+        snapshot = await r.collector.collect_once()
+        assert r.collector.current is snapshot and len(snapshot.readings) == 8
+        # As when the next passes hang on a driver that stopped answering: 3 x 10 s + 10 s (the default deadline).
+        r.collector.snapshot = dataclasses.replace(snapshot, taken_at=time.time() - 39)
+        assert r.collector.current.readings == snapshot.readings
+        r.collector.snapshot = dataclasses.replace(snapshot, taken_at=time.time() - 41)
+        assert r.collector.current.readings == ()
