@@ -222,8 +222,8 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
                 found: list[str] = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
                 return found
 
-            assert await wait_until(lambda: instances() == ["gpu-node-1", "gpu-node-2"], SCRAPED_S, "both nodes' GPUs",
-                                    blocking=True)
+            assert await wait_until(lambda: instances() == ["gpu-node-1", "gpu-node-2", "gpu-node-3"], SCRAPED_S,
+                                    "every node's GPUs", blocking=True)
             gpu_values = prom.get("/api/v1/label/gpu/values",
                                   **{"match[]": 'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"}'})
             assert gpu_values == [str(i) for i in range(7)]  # GPU 7 is lost: no series
