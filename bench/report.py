@@ -377,7 +377,8 @@ def _method(results: dict[str, Any]) -> list[str]:
         "`python bench/report.py` re-renders the page from the JSON. `bench/run.py --quick` is a smoke run "
         "with fewer calls, a 10 s idle window and a 30 s steady state; `bench/run.py --only floor,many_devices` "
         "measures only those sections (any of preferred, allocate, many_clients, many_devices, health, telemetry, "
-        "mig_apply, floor, process, apiserver) into `bench/out/only.json`, and onto this page only with `--merge`, "
+        "mig_apply, floor, process, apiserver, nvml_stuck) into `bench/out/only.json`, and onto this page only with "
+        "`--merge`, "
         "which replaces those sections in `bench/results.json` and names them at the top. No test times anything; "
         "these figures come only from here.",
     ]

@@ -17,5 +17,5 @@ def test_an_unknown_section_is_refused_naming_the_choices(tmp_path: Path) -> Non
     assert done.stdout == ""
     assert done.stderr.splitlines()[-1] == (
         "run.py: error: --only: unknown section(s) flor; choose from preferred, allocate, many_clients, "
-        "many_devices, health, telemetry, mig_apply, floor, process, apiserver, cluster")
+        "many_devices, health, telemetry, mig_apply, floor, process, apiserver, nvml_stuck, cluster")
     assert not out.exists()
