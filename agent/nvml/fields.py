@@ -16,7 +16,7 @@ from typing import Any
 import pynvml
 
 from agent.nvml.backend import NvmlBackend
-from agent.nvml.records import MigDeviceInfo, NodeInventory
+from agent.nvml.records import GpuInfo, MigDeviceInfo, NodeInventory
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class FieldReader:
         self._mig_key: tuple[str, ...] = ()
         self.calls = 0
         """NVML calls the last pass made."""
+        self._start = 0
 
     def note_allocated(self, device_ids: Collection[str]) -> None:
         """Tell a simulated driver which devices containers hold, so it can model their load (the real
@@ -127,31 +128,43 @@ class FieldReader:
             simulate(device_ids)
 
     def read(self, inventory: NodeInventory) -> tuple[DeviceReading, ...]:
-        start = self._lib.calls
+        """One pass over every GPU (`begin`, then `read_gpu` for each)."""
+        self.begin(inventory)
+        readings = [r for gpu in inventory.gpus for r in self.read_gpu(inventory, gpu)]
+        return tuple(readings)
+
+    def begin(self, inventory: NodeInventory) -> None:
+        """Start a pass: the MIG devices' handles taken again where the layout changed, the calls counted anew."""
+        self._start = self._lib.calls
+        self._refresh_mig_handles(inventory)
+
+    def read_gpu(self, inventory: NodeInventory, gpu: GpuInfo) -> list[DeviceReading]:
+        """The readings of one GPU and its MIG devices (none for a GPU off the bus, as with dcgm-exporter)."""
         readings: list[DeviceReading] = []
         handles = self._backend.handles
-        self._refresh_mig_handles(inventory)
-        for gpu in inventory.gpus:
-            h = handles[gpu.index] if gpu.index < len(handles) else None
-            if gpu.lost or h is None:  # no series for a GPU off the bus, as with dcgm-exporter
-                self._forget_gpm(gpu.uuid)
-                continue
-            try:
-                values = self._gpu_values(h)
-                gpm = self._gpm.setdefault(gpu.uuid, _GpmState())
-                values.update(self._gpm_values(h, gpm, None))
-                readings.append(DeviceReading(gpu.index, gpu.uuid, values))
-                for mig in (m for m in inventory.mig_devices if m.parent_index == gpu.index):
-                    mig_values = self._mig_values(mig)
-                    mig_values.update(self._gpm_values(h, gpm, mig.gpu_instance_id))
-                    readings.append(DeviceReading(gpu.index, gpu.uuid, mig_values, mig))
-            except pynvml.NVMLError_GpuIsLost:
-                # A GPU off the bus has no series until it answers again, as with dcgm-exporter.
-                self._forget_gpm(gpu.uuid)
-            except pynvml.NVMLError as err:
-                log.warning("GPU %s: telemetry read failed: %s", gpu.uuid, err)
-        self.calls = self._lib.calls - start
-        return tuple(readings)
+        h = handles[gpu.index] if gpu.index < len(handles) else None
+        if gpu.lost or h is None:
+            self._forget_gpm(gpu.uuid)
+            return readings
+        try:
+            values = self._gpu_values(h)
+            gpm = self._gpm.setdefault(gpu.uuid, _GpmState())
+            values.update(self._gpm_values(h, gpm, None))
+            readings.append(DeviceReading(gpu.index, gpu.uuid, values))
+            for mig in (m for m in inventory.mig_devices if m.parent_index == gpu.index):
+                mig_values = self._mig_values(mig)
+                mig_values.update(self._gpm_values(h, gpm, mig.gpu_instance_id))
+                readings.append(DeviceReading(gpu.index, gpu.uuid, mig_values, mig))
+        except pynvml.NVMLError_GpuIsLost:
+            # A GPU off the bus has no series until it answers again, as with dcgm-exporter.
+            self._forget_gpm(gpu.uuid)
+            return []
+        except pynvml.NVMLError as err:
+            log.warning("GPU %s: telemetry read failed: %s", gpu.uuid, err)
+            return readings
+        finally:
+            self.calls = self._lib.calls - self._start
+        return readings
 
     def close(self) -> None:
         for uuid in list(self._gpm):

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fields import DeviceReading, FieldReader
+from agent.nvmlthread import NvmlCall
 from agent.podresources import PodResourcesUnavailable, allocations
 from agent.state import StateBus
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-NvmlCall = Callable[[Callable[[], T]], Awaitable[T]]
 STALE_PASSES = 3
 """A snapshot older than this many intervals (plus the NVML deadline) is not served: NVML stopped answering."""
 CLOSE_S = 1.0
@@ -63,7 +64,7 @@ def holders_by_device(found: list[Any]) -> dict[str, tuple[Holder, ...]]:
 class TelemetryCollector:
     """Producer of the dcgm-family snapshot."""
 
-    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall[Any],
+    def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall,
                  xid_counts: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self._bus = bus
         self._nvml = nvml
@@ -124,13 +125,18 @@ class TelemetryCollector:
         holders = await self._holders()
         inventory = self._bus.current.inventory
 
-        def read() -> tuple[DeviceReading, ...]:
+        def begin() -> None:
             self.reader.note_allocated(holders)
-            return self.reader.read(inventory)
+            self.reader.begin(inventory)
 
-        readings = await self._nvml(read)
+        # One NVML call a GPU, each naming it: a GPU whose calls hang is the one reported, not all of them.
+        await self._nvml(begin, what="the telemetry pass")
+        readings: list[DeviceReading] = []
+        for gpu in inventory.gpus:
+            readings += await self._nvml(functools.partial(self.reader.read_gpu, inventory, gpu),
+                                         what="the telemetry pass", gpu=gpu.index)
         self.nvml_calls = self.reader.calls
-        self.snapshot = Snapshot(readings, holders, self._note_xids(), time.time())
+        self.snapshot = Snapshot(tuple(readings), holders, self._note_xids(), time.time())
         self.passes += 1
         self.pass_seconds = time.perf_counter() - started
         return self.snapshot

@@ -48,26 +48,31 @@ def wait_running(cluster: Cluster, pod: str) -> None:
                f"pod {pod} Running")
 
 
-def follow_health(cluster: Cluster, pod: str, name: str, resource_id: str, gpu: int, mode: str) -> None:
-    """Healthy, then an XID on the GPU: Unhealthy, then Healthy again once the GPU recovered."""
+def follow_health(cluster: Cluster, pod: str, name: str, resource_id: str, gpu: int, mode: str,
+                  fault: tuple[str, ...] = ("xid",), undo: tuple[str, ...] = ()) -> None:
+    """Healthy, then a fault on the GPU (`gpu-agent fault <fault> GPU`, by default an XID): Unhealthy, then (after
+    `gpu-agent fault <undo> GPU` where given) Healthy again once the GPU recovered."""
     def shows(expected: list[dict[str, Any]]) -> bool:
         now = allocated_status(cluster, pod)
         assert now == expected, f"allocatedResourcesStatus: {now}"  # the last one seen, when the wait times out
         return True
 
+    what = f"XID {XID}" if fault == ("xid",) else " ".join(fault)
     healthy = one_resource(name, resource_id, "Healthy")
     eventually(lambda: shows(healthy), 60, f"{resource_id} Healthy in {pod}'s status")
     injected = time.monotonic()
-    cluster.fault("xid", str(gpu), XID)
+    cluster.fault(*fault, str(gpu), *((XID,) if fault == ("xid",) else ()))
     unhealthy = one_resource(name, resource_id, "Unhealthy")
     eventually(lambda: shows(unhealthy), 60, f"{resource_id} Unhealthy in {pod}'s status", interval=0.1)
-    TIMES[f"{mode}: XID {XID} injected -> Unhealthy in the pod's status"] = time.monotonic() - injected
+    TIMES[f"{mode}: {what} injected -> Unhealthy in the pod's status"] = time.monotonic() - injected
     table = cluster.kubectl("get", "pod", "-n", "default", pod, "-o", f"custom-columns={COLUMNS}")
     print(table, cluster.kubectl("describe", "pod", "-n", "default", pod), sep="\n")
     assert [line.split() for line in table.splitlines()] == [
         ["NAME", "CONTAINER", "RESOURCE", "ID", "HEALTH"], [pod, "main", name, resource_id, "Unhealthy"]], table
+    if undo:
+        cluster.fault(*undo, str(gpu))
     eventually(lambda: shows(healthy), 90, f"{resource_id} Healthy again in {pod}'s status", interval=0.1)
-    TIMES[f"{mode}: XID {XID} injected -> Healthy again in the pod's status"] = time.monotonic() - injected
+    TIMES[f"{mode}: {what} injected -> Healthy again in the pod's status"] = time.monotonic() - injected
 
 
 HEALTH_TEMPLATE = {

@@ -57,3 +57,23 @@ def test_an_xid_on_a_pods_gpu_shows_in_its_status_until_the_gpu_recovers(cluster
         cluster.delete_pods("health-one-gpu")
     # The node as the test found it: all eight GPUs advertised.
     eventually(lambda: cluster.allocatable() == "8", 60, "Allocatable nvidia.com/gpu: 8 again")
+
+
+def test_a_hung_gpu_under_a_running_pod_shows_in_its_status_until_it_answers(cluster: Cluster) -> None:
+    """Device-plugin mode: the GPU's NVML calls stop returning; past the agent's deadline (health.nvmlDeadlineSeconds,
+    10 s) the kubelet lists it Unhealthy, and Healthy again once NVML answers and the GPU recovered."""
+    indices = gpu_indices()
+    try:
+        cluster.apply(gpu_pod("hung-one-gpu", 1))
+        wait_running(cluster, "hung-one-gpu")
+        printed = eventually(lambda: cluster.kubectl("logs", "-n", "default", "hung-one-gpu", check=False).strip(),
+                             60, "hung-one-gpu to print NVIDIA_VISIBLE_DEVICES")
+        uuid = printed.splitlines()[0]
+        assert uuid in indices, printed
+        follow_health(cluster, "hung-one-gpu", "nvidia.com/gpu", uuid, indices[uuid], "device plugin",
+                      fault=("hang",), undo=("unhang",))
+    finally:
+        for gpu in range(8):
+            cluster.fault("unhang", str(gpu))
+        cluster.delete_pods("hung-one-gpu")
+    eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
