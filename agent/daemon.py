@@ -42,7 +42,7 @@ from agent.metrics import HttpEndpoint, Metrics
 from agent.mps import Control
 from agent.nvml.backend import NvmlBackend, NvmlUnavailable
 from agent.nvml.identity import load_identities, save_identities
-from agent.nvml.records import node_clique
+from agent.nvml.records import NodeInventory, node_clique
 from agent.nvmlthread import NvmlStuck, NvmlThread
 from agent.readiness import Readiness
 from agent.state import NodeState, StateBus
@@ -191,6 +191,7 @@ async def _init_nvml(footing: Footing) -> NodeState:
                 async with asyncio.timeout(deadline):
                     await footing.nvml(footing.backend.init, what="nvmlInit")
             except TimeoutError:
+                footing.nvml.overdue()  # the worker is set aside: the next attempt runs on a new one
                 raise NvmlUnavailable(f"NVML initialisation did not answer within {deadline:g}s "
                                       "(health.nvmlDeadlineSeconds)") from None
             break
@@ -199,11 +200,7 @@ async def _init_nvml(footing: Footing) -> NodeState:
                 raise
             log.warning("%s (attempt %d of %d)", err, attempt, NVML_INIT_ATTEMPTS)
             await asyncio.sleep(NVML_INIT_BACKOFF_S * attempt)
-    try:
-        async with asyncio.timeout(deadline):
-            inventory = await footing.nvml(footing.backend.inventory, what="the inventory")
-    except TimeoutError:
-        raise NvmlUnavailable(f"NVML did not list the GPUs within {deadline:g}s (health.nvmlDeadlineSeconds)") from None
+    inventory = await _first_inventory(footing, deadline)
     if identities is not None:
         save_identities(identities, footing.backend.remembered)
     lost = [g for g in inventory.gpus if g.lost]
@@ -215,6 +212,29 @@ async def _init_nvml(footing: Footing) -> NodeState:
     # In DRA mode whole GPUs are offered once the handover knows which ones pods hold through the device plugin.
     return NodeState(version=1, inventory=inventory, config=config, handover=config.dra.enabled,
                      machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
+
+
+async def _first_inventory(footing: Footing, deadline: float) -> NodeInventory:
+    """The inventory, each GPU read within the deadline: a GPU whose read does not return is listed as lost (what
+    was last read of it) and the agent starts with the others; its read goes on on a worker set aside, and the
+    health monitor reads the GPU whole once it answers."""
+    backend, nvml = footing.backend, footing.nvml
+    gpus = []
+    for index in range(backend.count):
+        try:
+            async with asyncio.timeout(deadline):
+                gpus.append(await nvml(functools.partial(backend.read_gpu, index), what="the inventory", gpu=index))
+        except TimeoutError:
+            nvml.overdue()  # the worker is set aside: the reads of the other GPUs go on on a new one
+            log.warning("GPU %d did not answer NVML within %gs (health.nvmlDeadlineSeconds): listed as lost",
+                        index, deadline)
+            gpus.append(backend.unanswered(index))
+    try:
+        async with asyncio.timeout(deadline):
+            return await nvml(lambda: backend.inventory_of(tuple(gpus)), what="the inventory")
+    except TimeoutError:
+        nvml.overdue()
+        raise NvmlUnavailable(f"NVML did not list the GPUs within {deadline:g}s (health.nvmlDeadlineSeconds)") from None
 
 
 async def start_agent(backend: NvmlBackend, options: AgentOptions, *,

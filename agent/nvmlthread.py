@@ -20,7 +20,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -69,8 +69,16 @@ def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
             future.set_exception(value)
 
 
+MAX_SET_ASIDE = 4
+"""Workers set aside at once at most: past that NVML itself is stuck, and more threads would only pile up."""
+
+
 class NvmlThread:
-    """One daemon worker thread that runs NVML calls one at a time, in order, each with a deadline."""
+    """A daemon worker thread that runs NVML calls one at a time, in order, each with a deadline.
+
+    A worker whose call runs past its deadline is set aside by `overdue` (it ends once that call returns) and a
+    new worker serves the calls queued behind it, so that one GPU that hangs holds up no call about another
+    (NVML is thread-safe); at most MAX_SET_ASIDE workers are set aside at once."""
 
     def __init__(self, name: str = "nvml", deadline_s: float = READ_DEADLINE_S) -> None:
         self.name = name
@@ -78,12 +86,23 @@ class NvmlThread:
         """The deadline of a call that names none; the health monitor keeps it at health.nvmlDeadlineSeconds."""
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], str, int | None, float, asyncio.AbstractEventLoop,
                                              asyncio.Future[Any]] | None] = queue.SimpleQueue()
-        self._current: Call | None = None
+        self._lock = threading.Lock()
+        self._calls: dict[int, Call] = {}
+        """The call each worker runs now, by the worker's number."""
+        self._aside: set[int] = set()
+        """Workers whose call ran past its deadline: each ends once its call returns."""
+        self._counted: set[int] = set()
+        """Workers whose call now running has been counted as overdue."""
+        self._workers = 0
         self.overdue_calls = 0
         """Calls that ran past their deadline (counted once each, by `overdue`)."""
-        self._counted: Call | None = None
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        number = self._workers
+        self._workers += 1
+        name = self.name if number == 0 else f"{self.name}-{number}"
+        threading.Thread(target=self._work, args=(number,), name=name, daemon=True).start()
 
     async def __call__(self, fn: Callable[[], T], *, what: str | None = None, gpu: int | None = None,
                        deadline_s: float | None = None) -> T:
@@ -95,35 +114,49 @@ class NvmlThread:
         self._queue.put((fn, name, gpu, self.deadline_s if deadline_s is None else deadline_s, loop, future))
         return await future
 
-    def _work(self) -> None:
+    def _work(self, number: int) -> None:
         while (item := self._queue.get()) is not None:
             fn, what, gpu, deadline_s, loop, future = item
             if future.cancelled():
                 continue
-            self._current = Call(what, gpu, time.monotonic(), deadline_s)
+            with self._lock:
+                self._calls[number] = Call(what, gpu, time.monotonic(), deadline_s)
             try:
                 ok, value = True, fn()
             except Exception as err:
                 ok, value = False, err
             finally:
-                self._current = None
+                with self._lock:
+                    del self._calls[number]
+                    self._counted.discard(number)
+                    set_aside = number in self._aside
+                    self._aside.discard(number)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, ok, value)
+            if set_aside:
+                return  # another worker serves the queue now
 
     @property
     def current(self) -> Call | None:
-        """The call running now, if one."""
-        return self._current
+        """The oldest call running now, if one."""
+        with self._lock:
+            return min(self._calls.values(), key=lambda call: call.started, default=None)
 
     def overdue(self, now: float | None = None) -> Call | None:
-        """The call running past its deadline, if one (counted in `overdue_calls` the first time it is seen)."""
-        call = self._current
-        if call is None or call.waited(now) <= call.deadline_s:
-            return None
-        if call is not self._counted:
-            self._counted = call
-            self.overdue_calls += 1
-        return call
+        """The oldest call running past its deadline, if one. Each such call is counted in `overdue_calls`, and
+        its worker set aside with a new one started for the queue, the first time it is seen."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = sorted((call.started, number, call) for number, call in self._calls.items()
+                          if call.waited(now) > call.deadline_s)
+            for _, number, _ in late:
+                if number not in self._counted:
+                    self._counted.add(number)
+                    self.overdue_calls += 1
+                if number not in self._aside and len(self._aside) < MAX_SET_ASIDE:
+                    self._aside.add(number)
+                    self._start_worker()
+            return late[0][2] if late else None
 
     async def if_answering(self, fn: Callable[[], T], timeout_s: float = 1.0) -> T:
         """`fn` on the worker, for a caller that must not wait on a stuck driver (stopping): NvmlStuck at once
@@ -138,5 +171,46 @@ class NvmlThread:
             raise NvmlStuck(f"NVML did not answer within {timeout_s:g}s") from None
 
     def close(self) -> None:
-        """Let the worker end once the calls queued before have run (at once when none is running)."""
+        """Let the serving worker end once the calls queued before have run (at once when none is running); a
+        worker set aside ends when its call returns."""
         self._queue.put(None)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Take the outcome of a call nobody waits for any more."""
+    if not future.cancelled():
+        future.exception()
+
+
+class BoundedCalls:
+    """The calls of a loop that must go on past one GPU that hangs (a health sample, a telemetry pass): each is
+    waited for at most `wait_s()`; one that has not returned by then raises NvmlStuck and is left to run, and
+    the next call with its key raises NvmlStuck at once until it has returned, so a hung GPU is never asked
+    twice."""
+
+    def __init__(self, nvml: NvmlCall, wait_s: Callable[[], float], late: Callable[[], object] = lambda: None) -> None:
+        self._nvml = nvml
+        self._wait_s = wait_s
+        self._late = late
+        """Called when a call is not waited for any longer: NvmlThread.overdue sets its worker aside, so that the
+        next call does not queue behind it."""
+        self._running: dict[Hashable, asyncio.Future[Any]] = {}
+
+    def running(self, key: Hashable) -> bool:
+        """Whether the call of `key` has not returned since it ran past its wait."""
+        future = self._running.get(key)
+        return future is not None and not future.done()
+
+    async def __call__(self, key: Hashable, fn: Callable[[], T], *, what: str, gpu: int | None = None) -> T:
+        if self.running(key):
+            raise NvmlStuck(f"{what}: the last call has not returned")
+        self._running.pop(key, None)
+        future: asyncio.Future[T] = asyncio.ensure_future(self._nvml(fn, what=what, gpu=gpu))
+        future.add_done_callback(_retrieve)
+        wait_s = self._wait_s()
+        done, _ = await asyncio.wait({future}, timeout=wait_s)
+        if not done:
+            self._running[key] = future
+            self._late()
+            raise NvmlStuck(f"{what} did not return within {wait_s:g}s")
+        return future.result()

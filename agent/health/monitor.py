@@ -13,7 +13,7 @@ from agent.config import HealthSettings
 from agent.health.policy import NVML_UNRESPONSIVE, Verdict, classify_reading, classify_xid
 from agent.nvml.backend import EventSetGone, NvmlBackend
 from agent.nvml.records import HealthReading, NodeInventory
-from agent.nvmlthread import Call, NvmlCall, NvmlThread
+from agent.nvmlthread import BoundedCalls, Call, NvmlCall, NvmlStuck, NvmlThread
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class HealthMonitor:
         """Where the wait for XID events runs: apart from the other calls, so neither holds up the other."""
         self._watched = tuple(watched)
         """The NVML threads whose calls have deadlines: a call past its deadline is a fault."""
+        self._bounded = BoundedCalls(nvml, lambda: self._policy.nvml_deadline_seconds + 2 * WATCH_S,
+                                     lambda: [thread.overdue() for thread in self._watched])
+        """The health samples, each waited for at most the deadline: a GPU that hangs holds up no other's."""
         self._stuck: dict[str, Call] = {}
         """The call past its deadline on each NVML thread, by the thread's name."""
         self._faults: dict[str, Verdict] = {}
@@ -148,11 +151,18 @@ class HealthMonitor:
         state = self._bus.current
         readings = {}
         for gpu in state.inventory.gpus:
-            readings[gpu.index] = await self._nvml(lambda i=gpu.index: self._backend.health(i),  # type: ignore[misc]
-                                                   what="the health sample", gpu=gpu.index)
+            try:
+                readings[gpu.index] = await self._bounded(
+                    gpu.index, lambda i=gpu.index: self._backend.health(i),  # type: ignore[misc]
+                    what="the health sample", gpu=gpu.index)
+            except NvmlStuck:
+                continue  # its call hangs: no reading (the watch reports the call), the other GPUs are sampled
         inventory = state.inventory
-        if any(g.lost and not readings[g.index].lost for g in inventory.gpus):
-            inventory = await self._nvml(self._backend.inventory, what="the inventory")
+        if any(g.lost and g.index in readings and not readings[g.index].lost for g in inventory.gpus):
+            try:
+                inventory = await self._bounded("inventory", self._backend.inventory, what="the inventory")
+            except NvmlStuck:
+                inventory = state.inventory
             back = [g for g in inventory.gpus if not g.lost and state.inventory.gpus[g.index].lost]
             for gpu in back:
                 log.info("GPU %d %s answers NVML again and is read whole", gpu.index, gpu.uuid)
@@ -163,9 +173,15 @@ class HealthMonitor:
                     self._faults[gpu.uuid] = self._faults.pop(known)
                     self._clean[gpu.uuid] = self._clean.pop(known, 0)
         for gpu in inventory.gpus:
-            reading = readings.get(gpu.index, LOST)
-            if gpu.lost and not reading.lost:
-                reading = LOST  # answers some calls, but not all those the inventory needs
+            found = readings.get(gpu.index)
+            if found is None:
+                # Its sample hangs: no reading served, and no clean sample counted. A GPU the inventory could not
+                # read is faulty all the same (the watch tells why, once its call is past the deadline).
+                if gpu.lost and gpu.uuid not in self._faults:
+                    self._fault(gpu.uuid, classify_reading(LOST, self._policy))
+                continue
+            reading = LOST if gpu.lost and not found.lost else found
+            # (a GPU lost in the inventory stays lost until NVML reads it whole, whatever some of its calls say)
             if reading.unreadable is not None:
                 # Neither a fault nor a clean sample: keep the last reading and judge again next time.
                 self.read_errors += 1

@@ -102,9 +102,10 @@ class NvmlBackend:
     _initialised: bool = False
 
     def init(self) -> None:
-        """Initialise NVML and take the handle of every GPU it counts. A GPU whose handle NVML will not give
-        (GPU_IS_LOST, or any other error) is kept by its index, without a handle: it is in the inventory as
-        lost, and its handle is asked for again whenever it is read."""
+        """Initialise NVML and count the GPUs. Their handles are taken when each is first read (`handle`), so a GPU
+        whose lookup hangs holds up no other; a GPU whose handle NVML will not give (GPU_IS_LOST, or any other
+        error) is kept by its index, without a handle: it is in the inventory as lost, and its handle is asked for
+        again whenever it is read."""
         try:
             self.lib.nvmlInit()
         except pynvml.NVMLError as err:
@@ -117,9 +118,7 @@ class NvmlBackend:
                 self.lib.nvmlShutdown()
             self._initialised = False
             raise NvmlUnavailable(f"NVML cannot count the GPUs: {err}") from err
-        self._handles = [None] * count
-        for i in range(count):
-            self._take_handle(i)
+        self._handles = [None] * count  # taken by the first read of each GPU (`handle`), each on its own
 
     def _take_handle(self, index: int) -> Any | None:
         """NVML's handle of GPU `index`, taken anew (None where NVML will not give it), and its UUID noted."""
@@ -182,7 +181,11 @@ class NvmlBackend:
     def inventory(self) -> NodeInventory:
         """Every GPU NVML counts, each under its NVML index (`GpuInfo.index`, its position in `gpus`): a GPU that
         cannot be read is there as lost, so no other GPU ever takes its place or its index."""
-        gpus = tuple(self._read_gpu(i) for i in range(len(self._handles)))
+        return self.inventory_of(tuple(self.read_gpu(i) for i in range(len(self._handles))))
+
+    def inventory_of(self, gpus: tuple[GpuInfo, ...]) -> NodeInventory:
+        """The node's inventory with these GPUs (one per NVML index, as `read_gpu` or `unanswered` gave them):
+        the driver, the links between the GPUs that answer, their MIG devices and the IMEX channels."""
         return NodeInventory(
             driver=self.driver(),
             gpus=gpus,
@@ -191,18 +194,23 @@ class NvmlBackend:
             imex_channels=self.imex_lookup(),
         )
 
-    def _read_gpu(self, index: int) -> GpuInfo:
+    def read_gpu(self, index: int) -> GpuInfo:
         """The GPU as NVML tells it; where NVML will not (no handle, or an error from any call the inventory
-        makes), what was last read of it, marked lost."""
+        makes), what was last read of it, marked lost (`unanswered`)."""
         try:
             gpu = self._gpu(index, self.handle(index))
         except pynvml.NVMLError:
-            known = self.remembered.get(index)
-            if known is None:
-                return unknown_gpu(index)
-            return dataclasses.replace(known, lost=True, mig_enabled=False, mig_pending=False, fabric=None)
+            return self.unanswered(index)
         self.remembered[index] = gpu
         return gpu
+
+    def unanswered(self, index: int) -> GpuInfo:
+        """GPU `index` as what was last read of it, marked lost (nothing but its index where nothing was): for a GPU
+        NVML cannot read, or whose read did not return within its deadline."""
+        known = self.remembered.get(index)
+        if known is None:
+            return unknown_gpu(index)
+        return dataclasses.replace(known, lost=True, mig_enabled=False, mig_pending=False, fabric=None)
 
     def _mig_devices_or_none(self, gpu: GpuInfo) -> list[MigDeviceInfo]:
         """The GPU's MIG devices; none where it stopped answering since it was read."""

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.fields import DeviceReading, FieldReader
-from agent.nvmlthread import NvmlCall
+from agent.nvmlthread import BoundedCalls, NvmlCall, NvmlStuck
 from agent.podresources import PodResourcesUnavailable, allocations
 from agent.state import StateBus
 
@@ -68,6 +68,9 @@ class TelemetryCollector:
                  xid_counts: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self._bus = bus
         self._nvml = nvml
+        overdue = getattr(nvml, "overdue", None)
+        self._bounded = BoundedCalls(nvml, lambda: bus.current.config.health.nvml_deadline_seconds + 0.5,
+                                     overdue if callable(overdue) else lambda: None)
         self._xid_counts = xid_counts
         self._seen_xids: dict[tuple[str, int], int] = {}
         self._last_xid: dict[str, int] = {}
@@ -129,12 +132,15 @@ class TelemetryCollector:
             self.reader.note_allocated(holders)
             self.reader.begin(inventory)
 
-        # One NVML call a GPU, each naming it: a GPU whose calls hang is the one reported, not all of them.
-        await self._nvml(begin, what="the telemetry pass")
+        # One NVML call a GPU, each naming it and waited for at most the deadline: a GPU whose calls hang is the
+        # one reported, and has no series, while the others are read.
         readings: list[DeviceReading] = []
-        for gpu in inventory.gpus:
-            readings += await self._nvml(functools.partial(self.reader.read_gpu, inventory, gpu),
-                                         what="the telemetry pass", gpu=gpu.index)
+        with contextlib.suppress(NvmlStuck):
+            await self._bounded("begin", begin, what="the telemetry pass")
+            for gpu in inventory.gpus:
+                with contextlib.suppress(NvmlStuck):
+                    readings += await self._bounded(gpu.index, functools.partial(self.reader.read_gpu, inventory, gpu),
+                                                    what="the telemetry pass", gpu=gpu.index)
         self.nvml_calls = self.reader.calls
         self.snapshot = Snapshot(tuple(readings), holders, self._note_xids(), time.time())
         self.passes += 1

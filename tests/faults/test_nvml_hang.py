@@ -67,9 +67,14 @@ async def test_a_hung_gpu_is_unhealthy_within_its_deadline_and_the_rest_is_serve
             assert rig.agent._ready() == (False, rig.agent.monitor.stuck.describe())  # type: ignore[union-attr]
             assert metric(rig, "gpu_agent_nvml_call_age_seconds") > DEADLINE_S
             assert metric(rig, "gpu_agent_nvml_overdue_calls_total") == 1
-            # The samples stopped with the hung call: their readings are withdrawn, not served as current.
-            await wait_until(lambda: series(rig, "gpu_agent_gpu_temperature_celsius") == [], 3,
-                             "the stale readings withdrawn")
+            # GPU 3's reading is not served as current; the other GPUs are still sampled, on another worker.
+            def sampled() -> list[str]:
+                found = series(rig, "gpu_agent_gpu_temperature_celsius")
+                return sorted(s.labels["gpu"] for s in found)  # type: ignore[attr-defined]
+            before = rig.agent.monitor.sampled_at
+            others = ["0", "1", "2", "4", "5", "6", "7"]
+            await wait_until(lambda: rig.agent.monitor.sampled_at != before and sampled() == others, 5,
+                             "the other GPUs sampled, GPU 3 without a reading")
 
             # The kubelet is served meanwhile, and an XID on another GPU is taken.
             request = api_pb2.AllocateRequest(
@@ -148,3 +153,26 @@ async def test_sigterm_with_the_driver_hung_exits_within_the_grace_period(tmp_pa
     assert len([line for line in lines if "stopping without shutting NVML down: NVML call" in line]) == 1, (
         "\n".join(lines))
     assert [name for name in leftovers if name.endswith(".sock")] == []
+
+
+async def test_an_agent_started_while_a_gpu_hangs_serves_the_others_and_takes_the_gpu_once_it_answers() -> None:
+    node = InMemoryNode("gpu-node-1")
+    fake = FakeNvml(PRESET)
+    fake.set_hung(3)
+    started = time.monotonic()
+    try:
+        async with running_agent("dgx-h100", parse_config(yaml.safe_dump(CONFIG)), kube=node, fake=fake) as rig:
+            # The first inventory waits for GPU 3 at most its deadline, the first sample as long again.
+            assert time.monotonic() - started < 4 * DEADLINE_S + 3
+            await rig.converged(5)
+            assert [d.ID for d in rig.devices()] == [*UUIDS[:3], "GPU-lost-nvml-3", *UUIDS[4:]]
+            assert rig.health() == ["Healthy"] * 3 + ["Unhealthy"] + ["Healthy"] * 4
+            assert node.view.taints == (TAINT,)
+            fake.set_hung(3, False)
+            await wait_until(lambda: [d.ID for d in rig.devices()] == UUIDS and rig.health() == ["Healthy"] * 8, 10,
+                             "GPU 3 read whole and healthy")
+            await rig.converged(5)
+            assert node.view.taints == ()
+            assert rig.restarts() == {}
+    finally:
+        fake.set_hung(3, False)
