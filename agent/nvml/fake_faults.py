@@ -57,6 +57,7 @@ class FakeFaults(FakeCalls):
         else:
             self._check_gpu_index(gpu_index)
             self._gpu_state(gpu_index).hung = hung
+        self._events_ready.notify_all()  # the calls blocked in this process look again
 
     @fault_call
     def set_ecc_uncorrected(self, gpu_index: int, count: int) -> None:

@@ -287,6 +287,10 @@ class FakeState(FakeTelemetry):
                     return  # the call itself says what is wrong with the state
                 if not self._hangs(args):
                     return
+                if self.state_file is None:
+                    # Only this process can unhang it (set_hung notifies): blocked as the real call is, not polling.
+                    self._events_ready.wait()
+                    continue
             time.sleep(HANG_POLL_S)
 
     def _sync(self) -> None:
