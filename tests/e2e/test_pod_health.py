@@ -42,38 +42,34 @@ def test_the_cluster_turns_the_gates_on_only_where_the_release_leaves_them_off(c
         assert (f"{gate}=true" in apiserver_gates) == (gate in off), gate
 
 
-def test_an_xid_on_a_pods_gpu_shows_in_its_status_until_the_gpu_recovers(cluster: Cluster) -> None:
-    """Device-plugin mode: the resource's name and the device's ID, the GPU's UUID (what the pod was given)."""
+def follow_one_gpu_pod(cluster: Cluster, pod: str, fault: tuple[str, ...] = ("xid",),
+                       undo: tuple[str, ...] = ()) -> None:
+    """A pod holding one GPU through the device plugin; its GPU's health in the pod's status through `fault` (and
+    `undo`): the resource's name and the device's ID, the GPU's UUID (what the pod was given)."""
     indices = gpu_indices()
     try:
-        cluster.apply(gpu_pod("health-one-gpu", 1))
-        wait_running(cluster, "health-one-gpu")
-        printed = eventually(lambda: cluster.kubectl("logs", "-n", "default", "health-one-gpu", check=False).strip(),
-                             60, "health-one-gpu to print NVIDIA_VISIBLE_DEVICES")
+        cluster.apply(gpu_pod(pod, 1))
+        wait_running(cluster, pod)
+        printed = eventually(lambda: cluster.kubectl("logs", "-n", "default", pod, check=False).strip(),
+                             60, f"{pod} to print NVIDIA_VISIBLE_DEVICES")
         uuid = printed.splitlines()[0]
         assert uuid in indices, printed
-        follow_health(cluster, "health-one-gpu", "nvidia.com/gpu", uuid, indices[uuid], "device plugin")
+        follow_health(cluster, pod, "nvidia.com/gpu", uuid, indices[uuid], "device plugin", fault, undo)
     finally:
-        cluster.delete_pods("health-one-gpu")
+        if undo:
+            for gpu in range(8):
+                cluster.fault(*undo, str(gpu))
+        cluster.delete_pods(pod)
     # The node as the test found it: all eight GPUs advertised.
-    eventually(lambda: cluster.allocatable() == "8", 60, "Allocatable nvidia.com/gpu: 8 again")
+    eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+
+
+def test_an_xid_on_a_pods_gpu_shows_in_its_status_until_the_gpu_recovers(cluster: Cluster) -> None:
+    """Device-plugin mode: an XID on the pod's GPU."""
+    follow_one_gpu_pod(cluster, "health-one-gpu")
 
 
 def test_a_hung_gpu_under_a_running_pod_shows_in_its_status_until_it_answers(cluster: Cluster) -> None:
     """Device-plugin mode: the GPU's NVML calls stop returning; past the agent's deadline (health.nvmlDeadlineSeconds,
     10 s) the kubelet lists it Unhealthy, and Healthy again once NVML answers and the GPU recovered."""
-    indices = gpu_indices()
-    try:
-        cluster.apply(gpu_pod("hung-one-gpu", 1))
-        wait_running(cluster, "hung-one-gpu")
-        printed = eventually(lambda: cluster.kubectl("logs", "-n", "default", "hung-one-gpu", check=False).strip(),
-                             60, "hung-one-gpu to print NVIDIA_VISIBLE_DEVICES")
-        uuid = printed.splitlines()[0]
-        assert uuid in indices, printed
-        follow_health(cluster, "hung-one-gpu", "nvidia.com/gpu", uuid, indices[uuid], "device plugin",
-                      fault=("hang",), undo=("unhang",))
-    finally:
-        for gpu in range(8):
-            cluster.fault("unhang", str(gpu))
-        cluster.delete_pods("hung-one-gpu")
-    eventually(lambda: cluster.allocatable() == "8", 90, "Allocatable nvidia.com/gpu: 8 again")
+    follow_one_gpu_pod(cluster, "hung-one-gpu", fault=("hang",), undo=("unhang",))

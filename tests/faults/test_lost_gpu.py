@@ -151,12 +151,17 @@ async def test_with_index_ids_the_gpu_after_a_lost_one_is_handed_out_as_itself(k
         assert refused.value.details() == f"device GPU-lost-nvml-3 of resource {RESOURCE} is unhealthy: {LOST}"
 
 
-async def test_a_layout_with_a_lost_gpu_fails_naming_it_changes_nothing_and_withholds_nothing() -> None:
-    directory = short_dir()
-    config = parse_config(yaml.safe_dump({
+def mig_config(directory: Path) -> AgentConfig:
+    """MIG devices under their own names, fast health, and the MIG state in the test's directory."""
+    return parse_config(yaml.safe_dump({
         "version": "v1", "flags": {"migStrategy": "mixed"},
         "health": {"sampleIntervalSeconds": 0.1, "recoveryChecks": 2},
         "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock"}}))
+
+
+async def test_a_layout_with_a_lost_gpu_fails_naming_it_changes_nothing_and_withholds_nothing() -> None:
+    directory = short_dir()
+    config = mig_config(directory)
     fake = FakeNvml(PRESET)
     node = InMemoryNode("gpu-node-1")
     async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
@@ -230,10 +235,7 @@ def test_a_gpu_lost_after_any_driver_call_of_an_apply_fails_it_naming_the_gpu_an
 
 async def test_a_gpu_lost_in_the_middle_of_an_apply_ends_it_failed_and_gives_the_drained_gpus_back() -> None:
     directory = short_dir()
-    config = parse_config(yaml.safe_dump({
-        "version": "v1", "flags": {"migStrategy": "mixed"},
-        "health": {"sampleIntervalSeconds": 0.1, "recoveryChecks": 2},
-        "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock"}}))
+    config = mig_config(directory)
     fake = FakeNvml(PRESET)
     node = InMemoryNode("gpu-node-1")
     async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
