@@ -143,8 +143,13 @@ class NvmlThread:
             return min(self._calls.values(), key=lambda call: call.started, default=None)
 
     def overdue(self, now: float | None = None) -> Call | None:
-        """The oldest call running past its deadline, if one. Each such call is counted in `overdue_calls`, and
-        its worker set aside with a new one started for the queue, the first time it is seen."""
+        """The oldest call running past its deadline, if one (see `late`)."""
+        late = self.late(now)
+        return late[0] if late else None
+
+    def late(self, now: float | None = None) -> list[Call]:
+        """The calls running past their deadline, oldest first. Each is counted in `overdue_calls`, and its
+        worker set aside with a new one started for the queue, the first time it is seen."""
         now = time.monotonic() if now is None else now
         with self._lock:
             late = sorted((call.started, number, call) for number, call in self._calls.items()
@@ -156,7 +161,7 @@ class NvmlThread:
                 if number not in self._aside and len(self._aside) < MAX_SET_ASIDE:
                     self._aside.add(number)
                     self._start_worker()
-            return late[0][2] if late else None
+            return [call for _, _, call in late]
 
     async def if_answering(self, fn: Callable[[], T], timeout_s: float = 1.0) -> T:
         """`fn` on the worker, for a caller that must not wait on a stuck driver (stopping): NvmlStuck at once

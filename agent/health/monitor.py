@@ -7,7 +7,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from agent.config import HealthSettings
 from agent.health.policy import NVML_UNRESPONSIVE, Verdict, classify_reading, classify_xid
@@ -17,9 +17,6 @@ from agent.nvmlthread import BoundedCalls, Call, NvmlCall, NvmlStuck, NvmlThread
 from agent.state import DeviceHealth, StateBus
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 
 LOST = HealthReading(uuid="", lost=True)
 """The sample of a GPU NVML cannot read whole."""
@@ -67,8 +64,8 @@ class HealthMonitor:
         self._bounded = BoundedCalls(nvml, lambda: self._policy.nvml_deadline_seconds + 2 * WATCH_S,
                                      lambda: [thread.overdue() for thread in self._watched])
         """The health samples, each waited for at most the deadline: a GPU that hangs holds up no other's."""
-        self._stuck: dict[str, Call] = {}
-        """The call past its deadline on each NVML thread, by the thread's name."""
+        self._stuck: dict[Call, int | None] = {}
+        """The calls past their deadline, reported, still running (with the GPU each concerns)."""
         self._faults: dict[str, Verdict] = {}
         self._clean: dict[str, int] = {}
         self._warned: dict[str, str] = {}
@@ -288,23 +285,25 @@ class HealthMonitor:
     async def _watch_loop(self) -> None:
         while True:
             deadline = self._policy.nvml_deadline_seconds
+            late = []
             for thread in self._watched:
                 thread.deadline_s = deadline
-                stuck, reported = thread.overdue(), self._stuck.get(thread.name)
-                if stuck is not None and reported is None:
-                    self._stuck[thread.name] = stuck
-                    await self.on_stuck(stuck)
-                elif stuck is None and reported is not None:
-                    del self._stuck[thread.name]
-                    log.info("NVML answers again: %s returned after %.1fs; the GPUs recover as usual",
-                             reported.what, reported.waited())
+                late += thread.late()
+            for call in late:
+                if call not in self._stuck:
+                    self._stuck[call] = call.gpu
+                    await self.on_stuck(call)
+            for call in [call for call in self._stuck if call not in late]:
+                del self._stuck[call]
+                log.info("NVML answers again: %s%s returned after about %.1fs; the GPUs recover as usual",
+                         call.what, "" if call.gpu is None else f" on GPU {call.gpu}", call.waited())
             await asyncio.sleep(WATCH_S)
 
     @property
     def stuck(self) -> Call | None:
-        """The oldest NVML call past its deadline now, if one (an episode lasts from its deadline until NVML
-        answers again)."""
-        return min(self._stuck.values(), key=lambda call: call.started, default=None)
+        """The oldest NVML call past its deadline now, if one (each such call is an episode: from its deadline
+        until it returns)."""
+        return min(self._stuck, key=lambda call: call.started, default=None)
 
     async def on_stuck(self, call: Call) -> None:
         """An NVML call ran past its deadline: the GPU it concerns (every GPU for a call that concerns none) is
