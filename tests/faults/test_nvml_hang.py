@@ -179,3 +179,24 @@ async def test_an_agent_started_while_a_gpu_hangs_serves_the_others_and_takes_th
             assert rig.restarts() == {}
     finally:
         fake.set_hung(3, False)
+
+
+async def test_a_second_gpu_that_hangs_while_one_does_is_reported_too() -> None:
+    fake = FakeNvml(PRESET)
+    async with running_agent("dgx-h100", parse_config(yaml.safe_dump(CONFIG)), fake=fake) as rig:
+        try:
+            fake.set_hung(3)
+            await wait_until(lambda: rig.health()[3] == "Unhealthy", DEADLINE_S + 2, "GPU 3 unhealthy")
+            fake.set_hung(5)
+            # GPU 5's sample is asked for once the sample loop comes to it (at most a wait on GPU 3's later), and
+            # hangs on a worker of its own: past its deadline it is reported as well.
+            await wait_until(lambda: rig.health()[5] == "Unhealthy", DEADLINE_S + 2 * DEADLINE_S + 2,
+                             "GPU 5 unhealthy as well")
+            assert rig.health() == ["Healthy"] * 3 + ["Unhealthy", "Healthy", "Unhealthy", "Healthy", "Healthy"]
+            fake.set_hung(3, False)
+            fake.set_hung(5, False)
+            await wait_until(lambda: rig.health() == ["Healthy"] * 8 and rig.agent.monitor.stuck is None, 10,
+                             "every GPU healthy again")
+        finally:
+            fake.set_hung(3, False)
+            fake.set_hung(5, False)
