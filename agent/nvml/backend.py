@@ -98,7 +98,8 @@ class NvmlBackend:
     _handles: list[Any | None] = field(default_factory=list)
     """The device handle of each GPU NVML counts, by NVML index; None where NVML would not give it."""
     _uuid_by_handle: dict[int | None, str] = field(default_factory=dict)
-    """GPU UUIDs by handle address, read at init: an event from a GPU that is off the bus still names it."""
+    """GPU UUIDs by handle address, noted when each handle is taken: an event from a GPU that is off the bus still
+    names it."""
     _initialised: bool = False
 
     def init(self) -> None:
