@@ -291,12 +291,14 @@ def remove_workloads(apiserver: ApiServer) -> None:
 
 @contextlib.asynccontextmanager
 async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: str, root: Path | None = None,
-                    fake: FakeNvml | None = None, keep: bool = False, config: str = "", dra: str = ""
-                    ) -> AsyncIterator[tuple[Agent, FakeNvml]]:
+                    fake: FakeNvml | None = None, keep: bool = False, config: str = "", dra: str = "",
+                    recovery_checks: int = 15) -> AsyncIterator[tuple[Agent, FakeNvml]]:
     """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it (unless `keep`
     and it exists). Under `root` (a fresh short directory by default): the kubelet's directory
     (kubelet/device-plugins, kubelet/plugins_registry, kubelet/plugins/<driver>/) and the CDI directory (cdi).
-    `config` adds top-level sections to the agent's config, `dra` keys to its dra section (", dynamicMig: true")."""
+    `config` adds top-level sections to the agent's config, `dra` keys to its dra section (", dynamicMig: true").
+    Health is sampled every 0.1 s, and a fault ends after `recovery_checks` clean samples (1.5 s by default: long
+    enough for a test to see what the fault did before it ends by itself)."""
     if not (keep and await asyncio.to_thread(node_exists, apiserver, node)):
         await asyncio.to_thread(create_schedulable_node, apiserver, node)
     directory = root or short_dir()
@@ -304,7 +306,7 @@ async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: s
     kubelet_dir.mkdir(parents=True, exist_ok=True)
     in_force = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi{dra}}}\n"
                             f"mig: {{stateDir: {directory}/state, podResourcesSocket: {directory}/pr.sock}}\n"
-                            f"health: {{sampleIntervalSeconds: 0.1}}\n{config}")
+                            f"health: {{sampleIntervalSeconds: 0.1, recoveryChecks: {recovery_checks}}}\n{config}")
     api = await NodeApi.connect(kubeconfig, node)
     try:
         async with running_agent(preset, in_force, kube=api, fake=fake, kubelet_first=False,

@@ -164,7 +164,10 @@ async def test_with_the_gate_an_unhealthy_gpu_is_tainted_the_scheduler_avoids_it
         tainting: GatedApiServer, gated_scheduler: ControlPlane, caplog: pytest.LogCaptureFixture) -> None:
     kubeconfig = tainting.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     caplog.set_level(logging.INFO, logger="agent.dra.publisher")
-    async with dra_agent(tainting, kubeconfig, "dra-gated", "a100-pcie-nvlink-pairs") as (agent, fake):
+    # An XID's fault ends after the clean samples (30 x 0.1 s here): long enough for the scheduler to try the pod
+    # below while GPU 3 is still tainted.
+    async with dra_agent(tainting, kubeconfig, "dra-gated", "a100-pcie-nvlink-pairs",
+                         recovery_checks=30) as (agent, fake):
         first = (await asyncio.to_thread(slices_of, tainting, "dra-gated"))[0]["spec"]["pool"]["generation"]
         fake.inject_xid(3, 48)
         now = await slice_when(tainting, "dra-gated", lambda d: "taints" in d.get("gpu-3", {}))
