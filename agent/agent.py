@@ -124,7 +124,8 @@ class Agent:
             self.metrics,
         )
         self.monitor = HealthMonitor(self.backend, bus, self.nvml, footing.events, (self.nvml, footing.events))
-        self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts)
+        self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts,
+                                            self.nvml.overdue)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
                                  lambda: self.dra.plugin.holders() if self.dra is not None else [])
         self.mps = MpsDaemons(bus, control=options.mps_control)

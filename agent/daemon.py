@@ -207,7 +207,7 @@ async def _init_nvml(footing: Footing) -> NodeState:
     if lost:
         log.warning("NVML counts %d GPU(s), %d of them lost (no handle, or every call failing): %s",
                     len(inventory.gpus), len(lost), "; ".join(
-                        f"GPU {g.index}" + (f" {g.uuid}" if g.name != "unknown" else " (never read)") for g in lost))
+                        f"GPU {g.index}" + (" (never read)" if g.unread else f" {g.uuid}") for g in lost))
     config = footing.options.config
     # In DRA mode whole GPUs are offered once the handover knows which ones pods hold through the device plugin.
     return NodeState(version=1, inventory=inventory, config=config, handover=config.dra.enabled,

@@ -132,8 +132,6 @@ class NvmlCollector(Collector):
         yield oldest
         overdue = CounterMetricFamily("gpu_agent_nvml_overdue_calls",
                                       "NVML calls that ran past their deadline (health.nvmlDeadlineSeconds).")
-        for thread in self._threads:
-            thread.overdue(now)
         overdue.add_metric([], sum(thread.overdue_calls for thread in self._threads))
         yield overdue
 

@@ -255,8 +255,12 @@ class HealthMonitor:
 
     async def _sample_loop(self) -> None:
         while True:
-            await self.sample()
-            await asyncio.sleep(self._policy.sample_interval_seconds)
+            interval = self._policy.sample_interval_seconds
+            since = None if self.sampled_at is None else time.monotonic() - self.sampled_at
+            if since is None or since >= interval:  # (the agent's start took one just before)
+                await self.sample()
+                since = 0.0
+            await asyncio.sleep(interval - since)
 
     async def _event_loop(self) -> None:
         event_set = self._event_set

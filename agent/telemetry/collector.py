@@ -65,12 +65,13 @@ class TelemetryCollector:
     """Producer of the dcgm-family snapshot."""
 
     def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall,
-                 xid_counts: Callable[[], Mapping[tuple[str, int], int]]) -> None:
+                 xid_counts: Callable[[], Mapping[tuple[str, int], int]],
+                 late: Callable[[], object] = lambda: None) -> None:
+        """`late`: called when a GPU's read is not waited for any longer (NvmlThread.overdue, which sets its worker
+        aside so that the next GPU's read does not queue behind it)."""
         self._bus = bus
         self._nvml = nvml
-        overdue = getattr(nvml, "overdue", None)
-        self._bounded = BoundedCalls(nvml, lambda: bus.current.config.health.nvml_deadline_seconds + 0.5,
-                                     overdue if callable(overdue) else lambda: None)
+        self._bounded = BoundedCalls(nvml, lambda: bus.current.config.health.nvml_deadline_seconds + 0.5, late)
         self._xid_counts = xid_counts
         self._seen_xids: dict[tuple[str, int], int] = {}
         self._last_xid: dict[str, int] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from agent.nvml.fake import FakeNvml
 from agent.nvml.mig_ops import MigOps
 from agent.nvml.nodefile import load_node
 from agent.simulate import InMemoryNode
-from tests.plugin_harness import gpu_instances, running_agent, short_dir, wait_until
+from tests.plugin_harness import Rig, gpu_instances, running_agent, short_dir, wait_until
 
 RESOURCE = "nvidia.com/gpu"
 TAINT = {"key": "gpu-node-agent.io/gpu-fault", "value": "true", "effect": "NoSchedule"}
@@ -151,20 +152,26 @@ async def test_with_index_ids_the_gpu_after_a_lost_one_is_handed_out_as_itself(k
         assert refused.value.details() == f"device GPU-lost-nvml-3 of resource {RESOURCE} is unhealthy: {LOST}"
 
 
-def mig_config(directory: Path) -> AgentConfig:
-    """MIG devices under their own names, fast health, and the MIG state in the test's directory."""
-    return parse_config(yaml.safe_dump({
+@contextlib.asynccontextmanager
+async def mig_agent(fake: FakeNvml, node: InMemoryNode) -> AsyncIterator[Rig]:
+    """The agent on `fake` with MIG devices under their own names, fast health, and its MIG state in a directory
+    of its own, removed afterwards."""
+    directory = short_dir()
+    config = parse_config(yaml.safe_dump({
         "version": "v1", "flags": {"migStrategy": "mixed"},
         "health": {"sampleIntervalSeconds": 0.1, "recoveryChecks": 2},
         "mig": {"stateDir": f"{directory}/state", "podResourcesSocket": f"{directory}/pr.sock"}}))
+    try:
+        async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
+            yield rig
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 async def test_a_layout_with_a_lost_gpu_fails_naming_it_changes_nothing_and_withholds_nothing() -> None:
-    directory = short_dir()
-    config = mig_config(directory)
     fake = FakeNvml(PRESET)
     node = InMemoryNode("gpu-node-1")
-    async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
+    async with mig_agent(fake, node) as rig:
         fake.set_gpu_lost(3, keep_handle=True)
         await wait_until(lambda: rig.health()[3] == "Unhealthy", 5, "GPU 3 unhealthy")
         await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
@@ -234,11 +241,9 @@ def test_a_gpu_lost_after_any_driver_call_of_an_apply_fails_it_naming_the_gpu_an
 
 
 async def test_a_gpu_lost_in_the_middle_of_an_apply_ends_it_failed_and_gives_the_drained_gpus_back() -> None:
-    directory = short_dir()
-    config = mig_config(directory)
     fake = FakeNvml(PRESET)
     node = InMemoryNode("gpu-node-1")
-    async with running_agent("dgx-h100", config, kube=node, fake=fake, directory=directory) as rig:
+    async with mig_agent(fake, node) as rig:
         fake.lose_after(5, 20)  # GPU 5 goes in the middle of the apply of all-1g.10gb (8 x 15 changes)
         await node.patch_metadata({"nvidia.com/mig.config": "all-1g.10gb"}, {})
         await wait_until(lambda: node.view.labels.get("nvidia.com/mig.config.state") == "failed", 20,
