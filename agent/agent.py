@@ -110,6 +110,10 @@ class Agent:
         """Set by SIGHUP: reload the config file."""
         self.stopped = asyncio.Event()
         self.taken_over = asyncio.Event()
+        self.failed: str | None = None
+        """Why the agent cannot go on (another agent holds the lock of a kubelet directory that replaced its
+        own): run_until_signal stops it and exits non-zero."""
+        self.failing = asyncio.Event()
         """Set when, in a rolling update, the agent took the kubelet directory over from the old agent."""
         self._tasks: list[asyncio.Task[None]] = []
         preferences = Preferences(lambda: bus.current)
@@ -122,6 +126,8 @@ class Agent:
             options.kubelet_dir,
             bus,
             self.metrics,
+            footing.lock,
+            self._fail,
         )
         self.monitor = HealthMonitor(self.backend, bus, self.nvml, footing.events, (self.nvml, footing.events))
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts,
@@ -372,6 +378,11 @@ class Agent:
             reported = (current.problems, current.warnings)
             self.metrics.unmatched_selectors.set(len(current.warnings))
             state = await self.bus.wait_newer(state.version)
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            self.failing.set()
 
     def spawn(self, name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """Run `run` as a supervised task named `name` (restarted after an error, counted by that name) for as

@@ -364,6 +364,9 @@ class IdleAgent:
         self.metrics = footing.metrics
         self.reason = reason
         self.stopped = asyncio.Event()
+        self.failed: str | None = None
+        self.failing = asyncio.Event()
+        """Never set: an idle agent serves nothing a replaced kubelet directory could take from it."""
         footing.readiness.check = self.ready
 
     def ready(self) -> tuple[bool, str]:
@@ -400,7 +403,16 @@ async def run_until_signal(backend: NvmlBackend, options: AgentOptions) -> int:
         # Everything allocated so far lives as long as the process: keep it out of every later collection.
         gc.collect()
         gc.freeze()
-        await stop.wait()
+        stopping = asyncio.ensure_future(stop.wait())
+        failing = asyncio.ensure_future(agent.failing.wait())
+        try:
+            await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            failing.cancel()
+        if agent.failed is not None:
+            log.error("%s; stopping", agent.failed)
+            return 1
         log.info("signal received; shutting down")
     finally:
         await agent.stop()

@@ -80,6 +80,27 @@ class DirectoryLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def follow(self) -> bool:
+        """After the directory was replaced (removed and made again at its path): take the lock on the directory
+        now at the path and let the old one's go. True when it moved, False when the lock is already on the
+        directory at the path (or no directory is there); raises Held, holding the old directory's lock still,
+        when another process holds the new one's."""
+        assert self._fd is not None, "follow() without the lock"
+        try:
+            now, held = os.stat(self._directory), os.fstat(self._fd)
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return False
+        try:
+            fd = os.open(self._directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        _flock(fd, self._directory, self._what)
+        os.close(self._fd)
+        self._fd = fd
+        return True
+
     async def wait(self) -> None:
         """Take the lock once its holder lets it go (exits, or releases it): tried again from every 50 ms up to
         every 500 ms, so a wait costs nothing while the holder runs and is cancelled at once."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -25,6 +26,7 @@ from agent.deviceplugin.dirwatch import DirWatch
 from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.grpcserver import aio_server
+from agent.locks import DirectoryLock, Held
 from agent.metrics import Metrics
 from agent.state import StateBus
 
@@ -61,6 +63,20 @@ def plugin_server(servicer: DevicePluginServicer, address: str) -> grpc.aio.Serv
     if not bound:
         raise OSError(f"grpc could not bind {address}")
     return server
+
+
+INSTANCE = secrets.token_hex(4)
+"""This process's part of every socket name: a restarted agent never takes the name of its predecessor's socket."""
+_serves = itertools.count(1)
+"""Numbers every serve in this process, whatever plugin or plugin set makes it: a resource that goes away and
+comes back (a reload, a MIG layout that drops and re-adds a profile, a switch of mode) is served on a name no
+earlier server of the process had."""
+
+
+def socket_name(resource: str) -> str:
+    """A new socket name for a serve of `resource`: gpu-agent-<resource>-<instance>-<serial>.sock, never used
+    before by this process (agent.checks.socket_name_length gives its longest form)."""
+    return f"gpu-agent-{_slug(resource)}-{INSTANCE}-{next(_serves)}.sock"
 
 
 def _dir_inode(path: Path) -> int | None:
@@ -136,19 +152,15 @@ class _Serving:
 class ResourcePlugin:
     """One resource's gRPC server and its registration with the kubelet.
 
-    Each serve uses a new socket name, unique to this process and generation, so a kubelet that still holds
-    a stream to an earlier socket never mistakes the new one for it.
+    Each serve uses a new socket name (`socket_name`), never used before by this process, so a kubelet that
+    still tracks an earlier socket never mistakes the new one for it.
     """
 
-    def __init__(
-        self, servicer: DevicePluginServicer, kubelet_dir: Path, instance: str, metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, servicer: DevicePluginServicer, kubelet_dir: Path, metrics: Metrics | None = None) -> None:
         self.metrics = metrics
         self.servicer = servicer
         self.resource = servicer.resource
         self.kubelet_dir = kubelet_dir
-        self._instance = instance
-        self._generation = 0
         self._serving: _Serving | None = None
         self.registered_kubelet: tuple[int, int] | None = None
         self.registrations = 0
@@ -160,8 +172,7 @@ class ResourcePlugin:
     async def serve(self) -> Path:
         await self.stop()
         self.servicer.open()
-        self._generation += 1
-        path = self.kubelet_dir / f"gpu-agent-{_slug(self.resource)}-{self._instance}-{self._generation}.sock"
+        path = self.kubelet_dir / socket_name(self.resource)
         try:
             server = plugin_server(self.servicer, f"unix://{path}")
         except OSError:
@@ -211,15 +222,24 @@ class PluginSet:
         kubelet_dir: Path,
         bus: StateBus,
         metrics: Metrics | None = None,
+        lock: DirectoryLock | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self._metrics = metrics
-        self._instance = secrets.token_hex(4)
+        self._lock = lock
+        """The kubelet directory's lock, held by this agent: moved to a directory that replaces it before
+        anything is served there."""
+        self._on_lost = on_lost
+        """Told, in one line, that another agent holds the lock of the directory that replaced this one's; the
+        plugin set then serves nothing."""
         self._make_servicer = make_servicer
         self._wanted = wanted
         self._bus = bus
         self.kubelet_dir = kubelet_dir
         self.plugins: dict[str, ResourcePlugin] = {}
         self.registered = asyncio.Event()
+        self._failures: dict[str, str] = {}
+        """The last reason each resource could not be served or registered, until it is."""
 
     async def _sync_resources(self) -> None:
         wanted = self._wanted()
@@ -227,8 +247,7 @@ class PluginSet:
             log.info("resource %s is no longer advertised; stopping its server", name)
             await self.plugins.pop(name).stop(grace=0.5)
         for name in sorted(wanted - set(self.plugins)):
-            self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._instance,
-                                                self._metrics)
+            self.plugins[name] = ResourcePlugin(self._make_servicer(name), self.kubelet_dir, self._metrics)
 
     async def _wait(self, watch: DirWatch, timeout: float) -> None:
         """Until the socket directory changes, the resources may have changed, or `timeout` passes."""
@@ -243,7 +262,9 @@ class PluginSet:
         watch.changed.clear()
 
     async def run(self) -> None:
-        """Serve and register every resource; follow resource changes and kubelet restarts. Never returns."""
+        """Serve and register every resource; follow resource changes and kubelet restarts. Never returns; serves
+        nothing once another agent holds the lock of a directory that replaced the kubelet directory
+        (`on_lost`)."""
         watch = DirWatch(self.kubelet_dir)
         try:
             await self._run(watch)
@@ -261,8 +282,12 @@ class PluginSet:
         while True:
             directory = _dir_inode(self.kubelet_dir)
             if directory != watched:  # first pass, or the directory was replaced: watch the new one
+                if not await self._take_directory():
+                    await asyncio.Event().wait()  # the agent stops: nothing more is served here
                 watch.stop()
                 watched = directory if directory is not None and watch.start() else None
+                if _dir_inode(self.kubelet_dir) != directory:
+                    continue  # replaced while the watch started, which now watches the new one: look again
             await self._sync_resources()
             kubelet = _inode(kubelet_sock)
             impostor = _not_a_socket(kubelet_sock) if kubelet is None else None
@@ -275,18 +300,22 @@ class PluginSet:
             pending = [p for p in plugins if not p.socket_intact() or p.registered_kubelet != kubelet]
             # A new kubelet socket ends any backoff: the restarted kubelet is ready now.
             if kubelet is not None and pending and (loop.time() >= retry_at or kubelet != failed_on):
-                try:
-                    for plugin in pending:
-                        if not plugin.socket_intact():
-                            await plugin.serve()
-                        await plugin.register(kubelet)
-                    backoff = 0.0
-                except (grpc.aio.AioRpcError, OSError) as err:
+                # Each plugin on its own: one that cannot be served or registered holds up none of the others.
+                failures = [f for f in [await self._serve_and_register(p, kubelet) for p in pending] if f]
+                if failures:
                     failed_on = kubelet
                     backoff = min(BACKOFF_MAX_S, max(0.5, backoff * 2))
                     retry_at = loop.time() + backoff
-                    detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
-                    log.warning("registration with the kubelet failed, retrying in %.1fs: %s", backoff, detail)
+                    for resource, detail in failures:
+                        # Said once per resource and reason: a plugin that can never be served does not fill
+                        # the log while it is retried.
+                        said = self._failures.get(resource) == detail
+                        self._failures[resource] = detail
+                        log.log(logging.DEBUG if said else logging.WARNING,
+                                "registration of %s with the kubelet failed, retrying in %.1fs: %s", resource,
+                                backoff, detail)
+                else:
+                    backoff = 0.0
             if kubelet is not None and all(p.registered_kubelet == kubelet and p.socket_intact() for p in plugins):
                 self.registered.set()
             else:
@@ -295,6 +324,36 @@ class PluginSet:
             if backoff:
                 timeout = min(timeout, max(0.0, retry_at - loop.time()))
             await self._wait(watch, timeout)
+
+    async def _take_directory(self) -> bool:
+        """Move the lock to the kubelet directory now at its path (a replaced one), before anything is served
+        there. False, with every plugin stopped and the agent told, when another agent holds it."""
+        if self._lock is None or not self._lock.held:
+            return True
+        try:
+            if self._lock.follow():
+                log.info("the kubelet directory %s was replaced; holding its lock now", self.kubelet_dir)
+            return True
+        except Held as err:
+            await self.stop(grace=0.5)
+            self.plugins.clear()
+            self.registered.clear()
+            if self._on_lost is not None:
+                self._on_lost(f"the kubelet directory {self.kubelet_dir} was replaced and {err}; this agent "
+                              "serves nothing there")
+            return False
+
+    async def _serve_and_register(self, plugin: ResourcePlugin, kubelet: tuple[int, int]) -> tuple[str, str] | None:
+        """Serve `plugin` (unless its socket is intact) and register it: None when done, else its resource and
+        why not."""
+        try:
+            if not plugin.socket_intact():
+                await plugin.serve()
+            await plugin.register(kubelet)
+        except (grpc.aio.AioRpcError, OSError) as err:
+            return plugin.resource, err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+        self._failures.pop(plugin.resource, None)
+        return None
 
     async def stop(self, grace: float = 1.0) -> None:
         await asyncio.gather(*(p.stop(grace) for p in self.plugins.values()))

@@ -185,9 +185,10 @@ async def test_a_plugin_socket_that_cannot_be_made_says_why(kubelet_dir: Path) -
             'mount -t tmpfs none "$0" && "$1" -c "$2" && mount -o remount,ro "$0" && shift 2 && exec "$@"',
             str(kubelet_dir), AGENT[0], make_kubelet, *AGENT, "run", "--no-kube", "--nvml", "mock:single-h200",
             "--kubelet-dir", str(kubelet_dir), "--metrics-port", "0"]
-    lines = await agent_lines(argv, "registration with the kubelet failed")
+    lines = await agent_lines(argv, "registration of nvidia.com/gpu with the kubelet failed")
     text = message(lines[-1])
-    prefix = f"registration with the kubelet failed, retrying in 0.5s: cannot listen on {kubelet_dir}/gpu-agent-"
+    prefix = (f"registration of nvidia.com/gpu with the kubelet failed, retrying in 0.5s: cannot listen on "
+              f"{kubelet_dir}/gpu-agent-")
     assert text.startswith(prefix) and text.endswith(".sock: Read-only file system"), text
 
 

@@ -4,6 +4,7 @@ FIFOs, sockets and signals): each case gives one clear line and changes nothing,
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
@@ -187,6 +188,74 @@ async def test_a_second_agent_on_one_kubelet_dir_is_refused_naming_the_first(kub
     finally:
         first.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(first.wait(), 15) == 0
+
+
+async def first_agent(kubelet_dir: Path) -> asyncio.subprocess.Process:
+    """`gpu-agent run` on `kubelet_dir`, once it has started (its lines after that stay in its stderr pipe)."""
+    first = await asyncio.create_subprocess_exec(
+        *AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir),
+        "--metrics-port", "0", stderr=asyncio.subprocess.PIPE)
+    assert first.stderr is not None
+    while b"agent started" not in await asyncio.wait_for(first.stderr.readline(), 20):
+        pass
+    return first
+
+
+async def line_with(process: asyncio.subprocess.Process, text: str, timeout: float = 10) -> str:
+    assert process.stderr is not None
+    seen = []
+    try:
+        async with asyncio.timeout(timeout):
+            while text not in (line := (await process.stderr.readline()).decode()):
+                assert line, f"the agent's stderr ended without {text!r}"
+                seen.append(line)
+    except TimeoutError:
+        raise AssertionError(f"no line with {text!r} within {timeout}s; the agent said: {''.join(seen)}") from None
+    return line.rstrip("\n")
+
+
+async def test_a_replaced_kubelet_dir_is_locked_by_the_agent_before_a_second_one_comes(kubelet_dir: Path) -> None:
+    """The kubelet directory is removed and made again: the agent follows it, and takes its lock, so a second
+    agent started there is refused naming the first, as on the directory the first started on."""
+    first = await first_agent(kubelet_dir)
+    try:
+        shutil.rmtree(kubelet_dir)
+        kubelet_dir.mkdir()
+        await line_with(first, "was replaced; holding its lock now")
+        second = await asyncio.to_thread(run_agent, kubelet_dir)
+        assert one_line(second) == (f"gpu-agent run: error: another agent serves the kubelet directory "
+                                    f"{kubelet_dir}: pid {first.pid} holds the lock on {kubelet_dir}")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(first.wait(), 15) == 0
+
+
+async def test_an_agent_whose_replaced_kubelet_dir_another_holds_stops_and_exits_non_zero(kubelet_dir: Path) -> None:
+    """The directory that replaces the kubelet directory is locked by another process before the agent sees it:
+    the agent serves nothing there, says so in one line naming the holder, and exits non-zero (the DaemonSet
+    restarts it, and it waits for the lock like any second agent)."""
+    first = await first_agent(kubelet_dir)
+    try:
+        shutil.rmtree(kubelet_dir)
+        made = kubelet_dir.with_name(kubelet_dir.name + ".new")
+        made.mkdir()
+        fd = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            made.rename(kubelet_dir)  # made and locked in one step, as far as the agent can tell
+            line = await line_with(first, "was replaced")
+            assert line.split(": ", 1)[1] == (
+                f"the kubelet directory {kubelet_dir} was replaced and another agent serves the kubelet directory "
+                f"{kubelet_dir}: pid {os.getpid()} holds the lock on {kubelet_dir}; this agent serves nothing "
+                "there; stopping")
+            assert await asyncio.wait_for(first.wait(), 15) == 1
+            assert [p.name for p in kubelet_dir.iterdir()] == []
+        finally:
+            os.close(fd)
+    finally:
+        if first.returncode is None:
+            first.kill()
+            await first.wait()
 
 
 def test_a_second_mig_apply_is_refused_naming_the_first(tmp_path: Path) -> None:

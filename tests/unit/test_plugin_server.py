@@ -143,7 +143,7 @@ def resource_plugin(held: HeldSearch) -> Iterator[tuple[LoopThread, ResourcePlug
 
     def make() -> ResourcePlugin:
         servicer = DevicePluginServicer("nvidia.com/gpu", StateBus(state), PlanCache(), held, None, None, search)
-        return ResourcePlugin(servicer, directory, "test")
+        return ResourcePlugin(servicer, directory)
 
     try:
         plugin = loop.call(make)
