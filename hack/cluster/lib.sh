@@ -96,6 +96,27 @@ outside_paths=(
     /var/lib/kubelet /var/lib/gpu-node-agent /dev/nvidia-caps /var/log/pods /var/log/containers
     /run/containerd /var/lib/cni /opt/containerd /var/lib/containerd /run/netns /run/cdi
 )
+# The simulated GPUs' state the cluster's agent keeps on the host (its --mock-state, what it read of each GPU
+# beside it, the state's lock) and its MIG journal: what an earlier cluster left there is what the next one's
+# GPUs start as (MIG modes, instances, faults), unless up.sh runs with CLUSTER_FRESH_STATE=1.
+sim_state_files=(
+    /var/lib/gpu-node-agent/mock-nvml.json /var/lib/gpu-node-agent/mock-nvml.json.lock
+    /var/lib/gpu-node-agent/mock-nvml-gpus.json /var/lib/gpu-node-agent/mig-journal.json
+)
+# usage: sim_state_check FILE...  Of the simulated GPUs' state files FILE, those an earlier cluster left: removed
+# when CLUSTER_FRESH_STATE=1 (the e2e suite's clusters start from the preset), else kept; said either way.
+sim_state_check() {
+    local left=() f
+    for f in "$@"; do [[ -e $f || -L $f ]] && left+=("$f"); done
+    ((${#left[@]})) || return 0
+    if [[ ${CLUSTER_FRESH_STATE:-0} == 1 ]]; then
+        clog "removing the simulated GPUs' state an earlier cluster left: ${left[*]}"
+        rm -f -- "${left[@]}"
+    else
+        clog "starting on the simulated GPUs' state an earlier cluster left (MIG modes, instances and faults as" \
+            "they were): ${left[*]}; CLUSTER_FRESH_STATE=1 starts from the preset instead"
+    fi
+}
 # The cluster's daemons, in the order down.sh stops them (the kubelet first, so that it restarts nothing).
 daemons=(kubelet kube-scheduler kube-controller-manager kube-apiserver etcd containerd)
 # The kernel settings the kubelet rewrites at start; not namespaced, so saved and restored.

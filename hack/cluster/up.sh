@@ -12,6 +12,10 @@
 #   KUBELET_STATUS_S  the kubelet's nodeStatusUpdateFrequency in seconds (default 10, the kubelet's own): a
 #           device plugin's devices reach the Node's Allocatable at its next node status update
 #   KUBELET_SYNC_S    its syncFrequency in seconds (default 15): a failed DRA prepare is retried at the next sync
+#   CLUSTER_FRESH_STATE=1  remove the simulated GPUs' state an earlier cluster left (sim_state_files in lib.sh)
+#           and start from the preset; without it the cluster starts on that state, and says so
+#   CLUSTER_OWNER  "<pid> <start time>" of the process the cluster lives for (the e2e suite's pytest): a cluster
+#           whose owner is gone is taken down by the next run of the suite (tests/e2e/conftest.py)
 # Stop it with hack/cluster/down.sh (make cluster-down). Running it again first
 # takes down what is running.
 set -euo pipefail
@@ -52,9 +56,13 @@ stage "containerd" "$here/containerd.sh"
 stage "images" "$here/images.sh"
 "$here/down.sh" --quiet
 
+# --- the simulated GPUs' state an earlier cluster left: kept (and said), or with CLUSTER_FRESH_STATE=1 removed ---
+sim_state_check "${sim_state_files[@]}"
+
 # --- what was there before, so that down.sh leaves the machine as it found it ---
 mkdir -p "$run_dir" "$pids_dir" "$logs_dir"
-for p in "${outside_paths[@]}"; do [[ -e $p ]] || echo "$p"; done >"$run_dir/created-paths"
+for p in "${outside_paths[@]}" "${sim_state_files[@]}"; do [[ -e $p ]] || echo "$p"; done >"$run_dir/created-paths"
+[[ -z ${CLUSTER_OWNER:-} ]] || echo "$CLUSTER_OWNER" >"$run_dir/owner"
 mountpoint -q /run/netns 2>/dev/null || echo "/run/netns" >"$run_dir/unmount-after"
 for s in "${kubelet_sysctls[@]}"; do printf '%s=%s\n' "$s" "$(sysctl -n "$s")"; done >"$run_dir/sysctls"
 echo "$preset" >"$run_dir/preset"

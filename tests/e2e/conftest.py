@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster import HACK, PRESET, REPO, RUN_DIR, TIMES, Cluster
+from cluster import HACK, PRESET, REPO, RUN_DIR, SIM_STATE, TIMES, Cluster
 from dra_mode import VISIT, dra_mode, slices_gone
 
 TIMES_FILE = REPO / ".cache" / "cluster" / "e2e-times.json"
@@ -101,6 +101,27 @@ def machine_state() -> dict[str, str]:
     }
 
 
+def process_identity(pid: int) -> str | None:
+    """"<pid> <start time>" of a live process (its start time, in clock ticks since boot, tells it from a later
+    process given the same pid); None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def orphaned() -> str | None:
+    """The owner recorded by the cluster that is running, when the suite started it and that run is gone (killed
+    half-way: its teardown never ran); None for a cluster of `make cluster` or of a suite still running."""
+    try:
+        owner = (RUN_DIR / "owner").read_text().strip()
+    except OSError:
+        return None
+    pid = owner.split()[0]
+    return owner if pid.isdigit() and process_identity(int(pid)) != owner else None
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     # A cluster left by a run stopped with the machine (none of its processes alive) is taken down first.
@@ -108,6 +129,13 @@ def cluster() -> Iterator[Cluster]:
                            timeout=300, check=False)
     if stale.returncode != 0:
         pytest.fail(f"hack/cluster/down.sh --if-stale failed:\n{stale.stderr[-4000:]}")
+    if RUN_DIR.exists() and (owner := orphaned()) is not None:
+        # A run of the suite killed half-way left its cluster running: this run takes it down and starts afresh.
+        left = subprocess.run([str(HACK / "down.sh"), "--quiet"], capture_output=True, text=True, timeout=300,
+                              check=False)
+        if left.returncode != 0:
+            pytest.fail(f"hack/cluster/down.sh of the cluster an earlier run (pid {owner.split()[0]}) left "
+                        f"failed:\n{left.stderr[-4000:]}")
     if RUN_DIR.exists():
         if os.environ.get("E2E_USE_RUNNING_CLUSTER") == "1":
             # For working on the tests: the cluster of `make cluster`, left running afterwards.
@@ -119,8 +147,13 @@ def cluster() -> Iterator[Cluster]:
     try:
         # The kubelet updates the Node's status every second and syncs each pod every 5 s (the defaults: 10 s and a
         # minute), so that the tests wait on the agent rather than on the kubelet's timers.
+        # The simulated GPUs start as the preset has them, whatever an earlier cluster left (CLUSTER_FRESH_STATE),
+        # and the cluster records this run as its owner: if the run is killed, the next one takes the cluster down.
+        owner = process_identity(os.getpid())
+        assert owner is not None
         up = subprocess.run([str(HACK / "up.sh"), PRESET], capture_output=True, text=True, timeout=600, check=False,
-                            env={**os.environ, "KUBELET_STATUS_S": "1", "KUBELET_SYNC_S": "5"})
+                            env={**os.environ, "KUBELET_STATUS_S": "1", "KUBELET_SYNC_S": "5",
+                                 "CLUSTER_FRESH_STATE": "1", "CLUSTER_OWNER": owner})
         if up.returncode != 0:
             pytest.fail(f"hack/cluster/up.sh failed:\n{up.stderr[-4000:]}")
         yield Cluster()
@@ -131,6 +164,8 @@ def cluster() -> Iterator[Cluster]:
     assert down.returncode == 0, f"hack/cluster/down.sh failed:\n{down.stderr[-4000:]}"
     changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
     assert not changed, f"cluster-down left the machine changed: {changed}"
+    # The next run's GPUs start from the preset, not from the MIG layouts and faults of this one.
+    assert [str(f) for f in SIM_STATE if os.path.lexists(f)] == [], "the simulated GPUs' state outlived the cluster"
 
 
 @pytest.fixture(scope="module")
