@@ -48,6 +48,24 @@ class ConfigError(ValueError):
     """The config cannot be used; the message names each key path and reason, one per line."""
 
 
+EXPLICIT_DEFAULTS = "version: v1"
+"""The config file that asks for the defaults in so many words, as a reload needs it (so does `{}`, or any mapping
+that sets nothing else): a file with no settings at all is the defaults at start, but refused at a reload."""
+
+
+class EmptyConfigFile(ConfigError):
+    """A config file with no settings at all (`has_no_settings`) where the defaults are not taken from one: at a
+    reload, where it is far more likely a write that failed or was cut short (a full disk, a truncate, a tool's
+    half-written file) than a wish to go back to the defaults. `config` is what start makes of it (the defaults);
+    the message is one line naming the file and how to ask for the defaults."""
+
+    def __init__(self, path: Path, config: AgentConfig) -> None:
+        self.path, self.config = path, config
+        super().__init__(f"{printable(str(path))}: the file is empty (no settings): at a reload that is taken for a "
+                         f"failed or partial write, not for the defaults; to apply the defaults write "
+                         f"'{EXPLICIT_DEFAULTS}' in it")
+
+
 def _drop_nulls(value: object) -> object:
     """A key set to null means "not set", as in NVIDIA's config files (their Helm values render nulls)."""
     if isinstance(value, dict):
@@ -678,8 +696,18 @@ def config_file(path: Path, name: str | None = None) -> Path:
     raise ConfigError(f"{path}: no config named 'default' and no node label choosing one (known: {known})")
 
 
-def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
-    """The config at `path` (a file, or a directory of named configs), or the defaults when none is given."""
+def has_no_settings(text: str) -> bool:
+    """Whether a config file's text holds no settings at all: 0 bytes, only whitespace and comments, or a YAML
+    null (`---` alone, `null`, `~`). A mapping, even `{}` or `version: v1` alone, asks for the defaults."""
+    try:
+        return load_yaml(text) is None
+    except YamlProblem:
+        return False
+
+
+def load_config(path: Path | None, name: str | None = None, *, empty_is_defaults: bool = True) -> AgentConfig:
+    """The config at `path` (a file, or a directory of named configs), or the defaults when none is given. A file
+    with no settings at all is the defaults, unless `empty_is_defaults` is False (a reload): then EmptyConfigFile."""
     if path is None:
         return DEFAULT_CONFIG
     chosen = config_file(path, name)
@@ -687,7 +715,11 @@ def load_config(path: Path | None, name: str | None = None) -> AgentConfig:
         text = read_text_file(chosen)
     except InputFileError as err:
         raise ConfigError(f"{chosen}: cannot read config: {err.reason}") from None
-    return parse_config(text, str(chosen))
+    config = parse_config(text, str(chosen))
+    # Only a file that gives the defaults can have no settings: the text is parsed again only then.
+    if not empty_is_defaults and config == DEFAULT_CONFIG and has_no_settings(text):
+        raise EmptyConfigFile(chosen, config)
+    return config
 
 
 def beside_kubelet(config: AgentConfig, kubelet_dir: Path) -> AgentConfig:

@@ -12,9 +12,17 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from agent.yamlfile import read_text_file
+
 WAIT_POLL_MIN_S = 0.05
 WAIT_POLL_MAX_S = 0.5
 """How often `DirectoryLock.wait` tries the lock again: from 50 ms, doubling, to at most 500 ms between tries."""
+
+
+PROC_LOCKS = Path("/proc/locks")
+PROC_LOCKS_MAX_BYTES = 4 * 1024 * 1024
+"""The most of /proc/locks read to name a lock's holder: a line is about 60 bytes, so some 70,000 locks on the
+machine; past that the holder is "another process"."""
 
 
 class Held(RuntimeError):
@@ -26,11 +34,10 @@ def _holder_of(path: Path) -> int | None:
     try:
         st = os.stat(path)
         wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        with open("/proc/locks") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
-                    return int(fields[4])
+        for line in read_text_file(PROC_LOCKS, PROC_LOCKS_MAX_BYTES).splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+                return int(fields[4])
     except (OSError, ValueError):
         return None
     return None

@@ -19,7 +19,15 @@ from agent.checks import (
     machine_type,
     start_only_changes,
 )
-from agent.config import ConfigError, DraSettings, beside_kubelet, config_file, load_config, with_health_env
+from agent.config import (
+    ConfigError,
+    DraSettings,
+    EmptyConfigFile,
+    beside_kubelet,
+    config_file,
+    load_config,
+    with_health_env,
+)
 from agent.deviceplugin.response import NodeFiles
 from agent.metrics import Metrics
 from agent.state import StateBus
@@ -55,12 +63,20 @@ class ConfigReload:
         if path is None:
             raise ValueError("the agent was started without a config file to reload")
         name = self.bus.current.config_request
+        empty: EmptyConfigFile | None = None
         try:
-            new, _ = with_health_env(beside_kubelet(load_config(path, name), self.options.kubelet_dir), os.environ)
+            try:
+                # Read and parsed on a thread: a file of up to 64 KiB of YAML costs the event loop nothing.
+                loaded = await asyncio.to_thread(load_config, path, name, empty_is_defaults=False)
+            except EmptyConfigFile as err:
+                empty, loaded = err, err.config
+            new, _ = with_health_env(beside_kubelet(loaded, self.options.kubelet_dir), os.environ)
         except ConfigError as err:
             return await self._reject(str(err))
         if new == self.bus.current.config:
-            return True
+            return True  # an empty file too, where the defaults are in force (an agent started on that file)
+        if empty is not None:  # a failed or cut-short write, not the defaults: see EmptyConfigFile
+            return await self._reject(str(empty))
         # Exactly the checks start applies (and the parts only a restart can change), with the same lines.
         try:
             check_paths(new)

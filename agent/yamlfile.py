@@ -106,16 +106,21 @@ of memory per byte in the worst shapes)."""
 
 
 def size_text(size: int) -> str:
-    """A size limit as a message says it: 64 KiB, 1 MiB."""
-    return f"{size // (1024 * 1024)} MiB" if size % (1024 * 1024) == 0 else f"{size // 1024} KiB"
+    """A size limit as a message says it: 64 KiB, 1 MiB, 100 bytes."""
+    if size % (1024 * 1024) == 0:
+        return f"{size // (1024 * 1024)} MiB"
+    return f"{size // 1024} KiB" if size % 1024 == 0 else f"{size} bytes"
 
 
-def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
-    """A regular file's text, read as every input file of the agent is: at most `max_bytes`, UTF-8. A FIFO, a
-    device or a directory is refused before it is read (opening a FIFO does not block), so no input can hang
-    or exhaust the agent; each problem is one line naming the file."""
+def read_file_bytes(path: Path, max_bytes: int) -> bytes:
+    """A regular file's bytes, at most `max_bytes` of them: the one way the agent reads a file. A FIFO, a device,
+    a socket or a directory is refused before anything is read (opened with O_NONBLOCK, so that opening a FIFO
+    does not wait for a writer), and a file larger than `max_bytes` is refused without being read where its size
+    can be told from the file system (a file with blocks on disk), else once `max_bytes` + 1 bytes have been read
+    (a /proc or sysfs file gives its size as 0 or a page): no input can hang the agent or fill its memory.
+    InputFileError, one line naming the file, for each problem (a missing file too)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise InputFileError(path, "no such file") from None
     except OSError as err:
@@ -127,6 +132,8 @@ def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
                     else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
                     else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
             raise InputFileError(path, f"is {kind}, not a regular file")
+        if st.st_size > max_bytes and st.st_blocks > 0:
+            raise InputFileError(path, f"larger than {size_text(max_bytes)}; not read")
         chunks, size = [], 0
         while size <= max_bytes:
             chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
@@ -140,7 +147,13 @@ def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
         os.close(fd)
     if size > max_bytes:
         raise InputFileError(path, f"larger than {size_text(max_bytes)}; not read")
-    data = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def read_text_file(path: Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """A regular file's text, read as every input file of the agent is (`read_file_bytes`): at most `max_bytes`,
+    UTF-8; each problem is one line naming the file (InputFileError)."""
+    data = read_file_bytes(path, max_bytes)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

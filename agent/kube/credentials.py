@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.yamlfile import InputFileError, YamlProblem, clip, load_yaml, read_text_file, shown
+from agent.yamlfile import InputFileError, YamlProblem, clip, load_yaml, read_file_bytes, read_text_file, shown
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -24,6 +24,9 @@ class CredentialsError(ValueError):
 
 TOKEN_MAX_BYTES = 64 * 1024
 """A bearer token is a few kilobytes at most (a projected service-account token is about one)."""
+TLS_MAX_BYTES = 1024 * 1024
+"""The most read of a CA, client certificate or client key file: a cluster's CA or a certificate chain is a few
+kilobytes, and even the system's whole CA bundle (about 150 certificates) is about 220 KB."""
 
 
 @dataclass
@@ -65,9 +68,20 @@ def _reason(err: Exception) -> str:
     """What went wrong loading TLS material, in a few words: the OS's or OpenSSL's reason, not Python's repr."""
     if isinstance(err, ssl.SSLError):
         return "not PEM that OpenSSL accepts" + (f" ({err.reason})" if err.reason else "")
+    if isinstance(err, InputFileError):  # the file is named beside the reason already
+        return "no such file or directory" if err.reason == "no such file" else err.reason
     if isinstance(err, OSError) and err.strerror:
         return err.strerror.lower()
     return clip(" ".join(str(err).split()))
+
+
+def _private_copy(path: str, directory: str, name: str) -> str:
+    """A copy of the TLS file `path` in the private `directory`, read as every input file is (at most
+    TLS_MAX_BYTES; a FIFO or a device refused, never waited on): the ssl module loads certificates from files
+    only, and OpenSSL would read `path` itself without either bound."""
+    copy = os.path.join(directory, name)
+    Path(copy).write_bytes(read_file_bytes(Path(path), TLS_MAX_BYTES))
+    return copy
 
 
 def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> ssl.SSLContext:
@@ -78,7 +92,11 @@ def _ssl_context(ca_file: str | None, ca_data: bytes | None, insecure: bool) -> 
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
-    return ssl.create_default_context(cafile=ca_file, cadata=ca_data.decode() if ca_data else None)
+    if ca_file is None:
+        return ssl.create_default_context(cadata=ca_data.decode() if ca_data else None)
+    with tempfile.TemporaryDirectory(prefix="gpu-agent-ca-") as tmp:
+        return ssl.create_default_context(cafile=_private_copy(ca_file, tmp, "ca.pem"),
+                                          cadata=ca_data.decode() if ca_data else None)
 
 
 def _load_client_cert(context: ssl.SSLContext, cert: tuple[str | None, bytes | None],
@@ -87,13 +105,18 @@ def _load_client_cert(context: ssl.SSLContext, cert: tuple[str | None, bytes | N
     if not (cert_file or cert_data):
         return
     with tempfile.TemporaryDirectory(prefix="gpu-agent-cert-") as tmp:
-        # The ssl module loads certificates from files only; inline data is written to a private temp dir.
+        # The ssl module loads certificates from files only: inline data, and a copy of each file read with the
+        # bounds of every input file, are written to a private temp dir and loaded from there.
         if cert_data is not None:
             cert_file = os.path.join(tmp, "cert.pem")
             Path(cert_file).write_bytes(cert_data)
+        elif cert_file is not None:
+            cert_file = _private_copy(cert_file, tmp, "cert.pem")
         if key_data is not None:
             key_file = os.path.join(tmp, "key.pem")
             Path(key_file).write_bytes(key_data)
+        elif key_file is not None:
+            key_file = _private_copy(key_file, tmp, "key.pem")
         assert cert_file is not None
         context.load_cert_chain(cert_file, key_file)
 
@@ -146,6 +169,9 @@ def from_kubeconfig(path: Path) -> Credentials:
     key = _material(user, "client-key", base, where)
     try:
         _load_client_cert(context_ssl, cert, key)
+    except InputFileError as err:  # the file that cannot be read, by name: the certificate's or the key's
+        what = "client key" if key[0] is not None and err.path == Path(key[0]) else "client certificate"
+        raise CredentialsError(f"{where}: {what} {err.path}: {_reason(err)}") from None
     except (ssl.SSLError, OSError, ValueError) as err:
         raise CredentialsError(f"{where}: client certificate {cert[0] or '(client-certificate-data)'} and its key: "
                                f"{_reason(err)}") from None
@@ -163,4 +189,8 @@ def in_cluster() -> Credentials:
     if not ca.exists():
         raise CredentialsError(f"no service-account CA at {ca}")
     server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    return Credentials(server, _ssl_context(str(ca), None, False), token_file=SERVICE_ACCOUNT / "token")
+    try:
+        context = _ssl_context(str(ca), None, False)
+    except (ssl.SSLError, OSError, ValueError) as err:
+        raise CredentialsError(f"service-account CA {ca}: {_reason(err)}") from None
+    return Credentials(server, context, token_file=SERVICE_ACCOUNT / "token")

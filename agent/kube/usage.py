@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from agent.yamlfile import read_text_file
+
 MESSAGE_MAX = 300
 """An API server's error message is quoted up to this long (a 422 can list every invalid field)."""
 
@@ -69,15 +71,20 @@ restart (Backoff's first retry). Counted from the process's start, not from when
 slow start (a busy node) is not added to the jitter: an agent is never later than its start plus this."""
 
 
+PROC_STAT_MAX_BYTES = 4096
+"""The most read of /proc/<pid>/stat: one line of 52 numbers and a command name of at most 64 bytes, under
+1.5 KiB; a larger file is not the kernel's, and is not read."""
+
+
 def process_started(stat: Path = Path("/proc/self/stat")) -> float:
     """When this process started, on time.monotonic()'s clock: from the start time in `stat` (clock ticks since
     boot, suspend included), or now where that cannot be read."""
     now = time.monotonic()
     try:
         # The fields after "pid (comm)": the state is the first, the start time the 20th.
-        ticks = int(stat.read_text().rsplit(")", 1)[1].split()[19])
+        ticks = int(read_text_file(stat, PROC_STAT_MAX_BYTES).rsplit(")", 1)[1].split()[19])
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError):  # InputFileError is a ValueError
         return now
     return now - min(max(0.0, age), now)
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from agent.nvml import MockStateError
 from agent.nvml.fake_telemetry import TELEMETRY_FUNCTIONS, FakeTelemetry
 from agent.nvml.nodefile import GpuSpec, NodeSpec
-from agent.yamlfile import InputFileError, clip, read_text_file, shown
+from agent.yamlfile import InputFileError, clip, read_text_file, shown, sync_directory
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -335,11 +335,7 @@ class FakeState(FakeTelemetry):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            sync_directory(path.parent)
         except OSError as err:
             with contextlib.suppress(OSError):
                 tmp.unlink()

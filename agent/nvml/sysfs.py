@@ -11,18 +11,22 @@ import re
 from pathlib import Path
 
 from agent.nvml.records import short_bus_id
+from agent.yamlfile import read_text_file
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
 """Where the driver's IMEX channel device nodes are: channel<N>, one per channel made (channel0 by the driver's
 NVreg_CreateImexChannel0=1, or by an administrator)."""
+SYSFS_MAX_BYTES = 4096
+"""The most read of a sysfs attribute (`numa_node`, `class`): each is one short line, and the kernel gives an
+attribute at most a page; a larger file is not the kernel's, and is not read."""
 
 
 def sysfs_numa_node(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
     """Linux NUMA node of a PCI device, or None when the platform reports none."""
     try:
-        value = int((root / short_bus_id(bus_id) / "numa_node").read_text().strip())
-    except (OSError, ValueError):
+        value = int(read_text_file(root / short_bus_id(bus_id) / "numa_node", SYSFS_MAX_BYTES).strip())
+    except (OSError, ValueError):  # InputFileError (a ValueError): unreadable, not a regular file, too large
         return None
     return value if value >= 0 else None
 
@@ -30,8 +34,8 @@ def sysfs_numa_node(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
 def sysfs_pci_class(bus_id: str, root: Path = PCI_DEVICES) -> int | None:
     """The PCI class code of a device from sysfs (``class``, e.g. 0x030200), or None when unreadable."""
     try:
-        return int((root / short_bus_id(bus_id) / "class").read_text().strip(), 16)
-    except (OSError, ValueError):
+        return int(read_text_file(root / short_bus_id(bus_id) / "class", SYSFS_MAX_BYTES).strip(), 16)
+    except (OSError, ValueError):  # InputFileError (a ValueError): unreadable, not a regular file, too large
         return None
 
 

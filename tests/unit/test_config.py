@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 
-from agent.config import DEFAULT_CONFIG, ConfigError, ResourcePattern, beside_kubelet, load_config, parse_config
+import agent.reload
+from agent.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    EmptyConfigFile,
+    ResourcePattern,
+    beside_kubelet,
+    has_no_settings,
+    load_config,
+    parse_config,
+)
+from tests.plugin_harness import running_agent, wait_until
 
 
 def test_defaults() -> None:
@@ -200,3 +213,77 @@ def test_a_name_given_to_two_kinds_of_device_is_refused_naming_both() -> None:
     parse_config("version: v1\nflags: {migStrategy: mixed}\nresources:\n  mig:\n  - {pattern: '*', name: mig-any}\n"
                  "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2, rename: gpu-shared}\n"
                  "    - {name: mig-any, replicas: 2, rename: mig-any.shared}\n")
+
+
+# --- an empty file: the defaults at start, refused at a reload
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n", "# shared GPUs\n# (the rest was never written)\n", "---\n",
+                                  "null\n", "~"])
+def test_a_file_with_no_settings_is_the_defaults_at_start_and_refused_where_a_reload_reads_it(tmp_path: Path,
+                                                                                             text: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert has_no_settings(text)
+    assert load_config(path) == DEFAULT_CONFIG
+    with pytest.raises(EmptyConfigFile) as caught:
+        load_config(path, empty_is_defaults=False)
+    assert str(caught.value) == (
+        f"{path}: the file is empty (no settings): at a reload that is taken for a failed or partial write, not for "
+        "the defaults; to apply the defaults write 'version: v1' in it")
+    assert caught.value.config == DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize("text", ["version: v1\n", "{}\n", "# the defaults, on purpose\nversion: v1\n",
+                                  "---\nversion: v1\n...\n", "flags: {}\n"])
+def test_a_mapping_that_sets_nothing_asks_for_the_defaults_at_a_reload_too(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert not has_no_settings(text)
+    assert load_config(path, empty_is_defaults=False) == DEFAULT_CONFIG
+
+
+REPLICATED = ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"
+              "health:\n  sampleIntervalSeconds: 2\n")
+"""32 time-sliced replicas of the 8 GPUs of a DGX H100, and a health policy of its own."""
+
+
+async def test_a_config_file_cut_to_nothing_at_a_reload_keeps_the_config_in_force_until_the_defaults_are_asked_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent.reload, "CONFIG_POLL_S", 0.05)  # the file watch looks every 50 ms, not every 2 s
+    path = tmp_path / "config.yaml"
+    path.write_text(REPLICATED)
+    async with running_agent("dgx-h100", load_config(path), config_path=path) as rig:
+        before = rig.agent.bus.current.config
+        assert len(rig.devices()) == 32
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="agent.daemon"):
+            path.write_text("")  # a truncate, as a failed or cut-short write leaves the file: the file watch sees it
+            await wait_until(lambda: any(i.kind == "config-rejected" for i in rig.agent.bus.current.incidents), 10,
+                             "the empty file refused")
+            await asyncio.sleep(0.5)  # ten more looks of the file watch: the file has not changed, nothing more
+            lines = [r.getMessage() for r in caplog.records if r.name == "agent.daemon"]
+        why = (f"{path}: the file is empty (no settings): at a reload that is taken for a failed or partial write, "
+               "not for the defaults; to apply the defaults write 'version: v1' in it")
+        assert lines == [f"config reload rejected; keeping the last good config: {why}"]
+        assert rig.agent.bus.current.config == before
+        assert rig.agent.bus.current.config.health.sample_interval_seconds == 2
+        assert [i.message for i in rig.agent.bus.current.incidents if i.kind.startswith("config-")] == [
+            f"config reload rejected: {why}"]
+        assert len(rig.devices()) == 32 and sorted(rig.agent.plugins.plugins) == ["nvidia.com/gpu"]
+        # SIGHUP reads it again, and refuses it again.
+        assert await rig.agent.reload_config() is False
+        assert rig.agent.bus.current.config == before
+
+        path.write_text("version: v1\n")  # the defaults, asked for in so many words
+        await wait_until(lambda: len(rig.devices()) == 8, 10, "the 8 whole GPUs of the defaults")
+        after = rig.agent.bus.current.config
+        assert (after.sharing, after.health, after.dra) == (DEFAULT_CONFIG.sharing, DEFAULT_CONFIG.health,
+                                                            DEFAULT_CONFIG.dra)
+        assert [i.kind for i in rig.agent.bus.current.incidents if i.kind.startswith("config-")] == [
+            "config-rejected", "config-rejected", "config-applied"]
+        # An empty file now changes nothing: the defaults are in force already.
+        path.write_text("")
+        assert await rig.agent.reload_config() is True
+        assert [i.kind for i in rig.agent.bus.current.incidents if i.kind.startswith("config-")][-1] == (
+            "config-applied")
