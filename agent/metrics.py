@@ -7,8 +7,12 @@ Two families share /metrics: the agent's own (gpu_agent_*, through prometheus_cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
+import fcntl
 import logging
+import socket
+import struct
+import termios
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -235,34 +239,121 @@ class StateCollector(Collector):
 REQUEST_LINE_MAX = 8192
 """The longest request or header line the endpoint reads; a longer one is answered 431."""
 MAX_HEADERS = 100
+"""The most header lines a request may have; a request with this many is answered 431."""
+MAX_CONNECTIONS = 64
+"""The most connections the endpoint holds at once. Its clients at one time are a handful (the kubelet's liveness
+and readiness probes, one or two Prometheus servers, an operator's curl). 64 slow clients cost at most 64
+descriptors and a few MiB: each holds a line of up to REQUEST_LINE_MAX bytes or an answer not yet taken (/metrics
+is about 60 KB on an 8-GPU node), in the agent or in the kernel's buffers. Without a cap each connection cost
+about 5.5 KB, and ~11,000 of them the pod's 128 MiB. At the cap a new connection is never refused nor queued: it
+takes the place of the oldest one still sending its request or, when every one held is being answered, of the
+oldest of those; the one it replaces is closed at once (reset) without (the rest of) its answer. So slow clients
+cannot keep a new one out: a request that is whole when its connection is accepted (a kubelet probe sends its
+request as it connects, and under a flood it waits in the kernel's queue) is answered at once, and any other is
+read unless 64 newer connections come before it is whole."""
+REQUEST_DEADLINE_S = 5.0
+"""The time a client has, from its connection's accept, to send the request line and every header (together,
+not each): a kubelet probe sends its whole request at once, within its 1 s timeout. A client still sending then is
+closed without an answer."""
+WRITE_DEADLINE_S = 10.0
+"""The time a client has to take its whole answer once its request is read (Prometheus gives a scrape 10 s by
+default): until then the connection is held, also once the kernel has taken the last bytes and only the client's
+acknowledgement is awaited, so that an answer nobody reads is never left queued in the kernel past this; a client
+that has not taken it by then is reset, and the kernel drops what it still queued."""
+FLUSH_POLL_S = 0.05
+"""How often an answer written whole is looked at until its client has acknowledged it (SIOCOUTQ)."""
+LISTEN_BACKLOG = 100
+"""Connections the kernel queues until the endpoint accepts them; also the most accepted in one turn of the loop."""
+RECV_BYTES = 16384
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
+class _Client:
+    """One connection: what it sent of its request, then what is left of its answer to write. Reading (`out` is
+    None), writing (`out` holds the rest), or flushed (`out` empty: written, not yet acknowledged)."""
+
+    __slots__ = ("deadline", "headers", "line", "out", "request_line", "sock", "timer")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.line = bytearray()
+        """What came of the line being read."""
+        self.request_line: bytes | None = None
+        self.headers = 0
+        self.out: memoryview | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class HttpEndpoint:
-    """A small HTTP/1.0 server on the event loop for /metrics, /healthz and /readyz."""
+    """A small HTTP/1.0 server on the event loop for /metrics, /healthz and /readyz, on non-blocking sockets of
+    its own: at most MAX_CONNECTIONS connections, each request read within REQUEST_DEADLINE_S of the accept and
+    its answer taken within WRITE_DEADLINE_S (docs/operations.md, "Metrics, alerts and the dashboard")."""
 
     def __init__(self, metrics: Metrics, ready: Callable[[], tuple[bool, str]]) -> None:
         self._metrics = metrics
         self._ready = ready
-        self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[socket.socket] = []
+        self._held: dict[_Client, None] = {}
+        """The connections waited on, oldest first."""
+        self.dropped = 0
+        """Connections closed to keep to MAX_CONNECTIONS."""
+        self._warned = -60.0
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.sockets[0].getsockname()[1])
+        assert self._listeners
+        return int(self._listeners[0].getsockname()[1])
 
     async def start(self, port: int, host: str = "0.0.0.0") -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, limit=REQUEST_LINE_MAX)
+        """Listen on every address the host resolves to, bound as asyncio.start_server binds (OSError, or
+        socket.gaierror for a name that does not resolve, when it cannot)."""
+        loop = asyncio.get_running_loop()
+        infos = set(await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+        listeners: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in infos:
+                try:
+                    sock = socket.socket(family, kind, proto)
+                except OSError:  # a family this host lacks (IPv6): the other addresses may do
+                    continue
+                listeners.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    sock.bind(address)
+                except OSError as err:
+                    raise OSError(err.errno, f"error while attempting to bind on address {address!r}: "
+                                  f"{(err.strerror or str(err)).lower()}") from None
+                sock.listen(LISTEN_BACKLOG)
+                sock.setblocking(False)
+            if not listeners:
+                raise OSError(errno.EAFNOSUPPORT, f"no address of {host!r} can be listened on")
+        except BaseException:
+            for sock in listeners:
+                sock.close()
+            raise
+        self._loop, self._listeners = loop, listeners
+        for sock in listeners:
+            loop.add_reader(sock, self._accept, sock)
         # The port actually bound (--metrics-port 0 picks one), on every address the host resolved to.
-        bound = [s.getsockname() for s in self._server.sockets]
+        bound = [s.getsockname() for s in listeners]
         log.info("serving /metrics, /healthz and /readyz on %s",
                  ", ".join(f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for a in bound))
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        for sock in self._listeners:
+            loop.remove_reader(sock)
+            sock.close()
+        self._listeners = []
+        for client in list(self._held):
+            self._close(client, loop)
 
     def respond(self, path: str) -> tuple[int, str, bytes]:
         if path == "/metrics":
@@ -274,38 +365,170 @@ class HttpEndpoint:
             return (200 if ok else 503), "text/plain", (why + "\n").encode()
         return 404, "text/plain", b"not found\n"
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            status, ctype, body, head_only = await self._answer(reader)
-            extra = "Allow: GET, HEAD\r\n" if status == 405 else ""
-            writer.write(
-                f"HTTP/1.0 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                f"{extra}Connection: close\r\n\r\n".encode() + (b"" if head_only else body)
-            )
-            await writer.drain()
-        with contextlib.suppress(Exception):
-            writer.close()
+    def _accept(self, listener: socket.socket) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        for _ in range(LISTEN_BACKLOG):
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: the connections wait in the kernel's queue for a second.
+                    log.warning("metrics endpoint: cannot accept a connection: %s", err.strerror or err)
+                    loop.remove_reader(listener)
+                    loop.call_later(1.0, self._listen, listener)
+                return  # else the connection went away before it was accepted
+            sock.setblocking(False)
+            client = _Client(sock, loop.time() + REQUEST_DEADLINE_S)
+            self._receive(client)  # its request may be whole already: then it is answered now
+            if client.out is None and client.sock.fileno() >= 0:
+                self._hold(client, loop)
 
-    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool]:
-        """(status, content type, body, whether to leave the body out) for one request; a request that is too
-        long or malformed gets a 4xx and at most one short debug line, never a traceback."""
+    def _listen(self, listener: socket.socket) -> None:
+        if self._loop is not None and listener in self._listeners:
+            self._loop.add_reader(listener, self._accept, listener)
+
+    def _hold(self, client: _Client, loop: asyncio.AbstractEventLoop) -> None:
+        """Hold a client still reading, or whose answer is not all written or acknowledged, within
+        MAX_CONNECTIONS; it waits for the event that moves it on, or its deadline."""
+        if client not in self._held:
+            if len(self._held) >= MAX_CONNECTIONS:
+                oldest = next((c for c in self._held if c.out is None), None)
+                self._drop(next(iter(self._held)) if oldest is None else oldest, loop)
+            self._held[client] = None
+        if client.timer is not None:
+            client.timer.cancel()
+        if client.out is None:
+            loop.add_reader(client.sock, self._receive, client)
+        elif client.out:
+            loop.add_writer(client.sock, self._send, client)
+        else:
+            client.timer = loop.call_at(min(loop.time() + FLUSH_POLL_S, client.deadline), self._flushed, client)
+            return
+        client.timer = loop.call_at(client.deadline, self._close, client, loop)
+
+    def _drop(self, client: _Client, loop: asyncio.AbstractEventLoop) -> None:
+        self.dropped += 1
+        if loop.time() - self._warned >= 60:
+            self._warned = loop.time()
+            log.warning("metrics endpoint: %d connections held, its most: closing the oldest still sending its "
+                        "request, or else the oldest still being answered (%d closed so far; at most one such "
+                        "line a minute)", MAX_CONNECTIONS, self.dropped)
+        self._close(client, loop)
+
+    def _close(self, client: _Client, loop: asyncio.AbstractEventLoop, *, reset: bool = True) -> None:
+        """Close a client; one with an answer not taken whole is reset, so that the kernel drops what it queued
+        for it rather than keep it past the endpoint's deadline."""
+        if client.timer is not None:
+            client.timer.cancel()
+            client.timer = None
+        if client in self._held:
+            del self._held[client]
+            loop.remove_reader(client.sock)
+            loop.remove_writer(client.sock)
+        if reset and client.out is not None:
+            client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.sock.close()
+
+    def _receive(self, client: _Client) -> None:
         try:
-            async with asyncio.timeout(5):
-                line = await reader.readuntil(b"\n")
-            for _ in range(MAX_HEADERS):  # the headers, bounded like the request line; none is needed
-                async with asyncio.timeout(5):
-                    header = await reader.readuntil(b"\n")
-                if header.strip() == b"":
-                    break
+            data = client.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client stopped sending: answer a request line, whole or not (HTTP/0.9-style probes)
+            line = client.request_line if client.request_line is not None else bytes(client.line)
+            if line:
+                self._answer(client, *self._reply(line))
+            elif self._loop is not None:
+                self._close(client, self._loop)
+            return
+        client.line += data
+        while True:
+            end = client.line.find(b"\n")
+            if end < 0 and len(client.line) <= REQUEST_LINE_MAX:
+                return
+            if not 0 <= end < REQUEST_LINE_MAX:
+                log.debug("HTTP request refused: a line longer than %d bytes", REQUEST_LINE_MAX)
+                self._answer(client, 431, "text/plain", b"request line or header too long\n", False)
+                return
+            line = bytes(client.line[:end + 1])
+            del client.line[:end + 1]
+            if client.request_line is None:
+                client.request_line = line
+            elif line.strip() == b"":
+                self._answer(client, *self._reply(client.request_line))
+                return
             else:
-                return 431, "text/plain", b"too many header lines\n", False
-        except asyncio.LimitOverrunError:
-            log.debug("HTTP request refused: a line longer than %d bytes", REQUEST_LINE_MAX)
-            return 431, "text/plain", b"request line or header too long\n", False
-        except asyncio.IncompleteReadError as err:
-            if not err.partial:
-                raise
-            line = err.partial  # a request line without its blank line (HTTP/0.9-style probes): answer it
+                client.headers += 1  # none is needed
+                if client.headers >= MAX_HEADERS:
+                    self._answer(client, 431, "text/plain", b"too many header lines\n", False)
+                    return
+
+    def _answer(self, client: _Client, status: int, ctype: str, body: bytes, head_only: bool) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        extra = "Allow: GET, HEAD\r\n" if status == 405 else ""
+        client.out = memoryview(
+            f"HTTP/1.0 {status} {REASONS[status]}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}Connection: close\r\n\r\n".encode() + (b"" if head_only else body))
+        client.line = bytearray()
+        client.deadline = loop.time() + WRITE_DEADLINE_S
+        if client in self._held:
+            loop.remove_reader(client.sock)
+        if self._send(client):
+            self._hold(client, loop)  # now waiting to write, within the write deadline
+
+    def _send(self, client: _Client) -> bool:
+        """Write what the socket takes of the answer; True while some is left."""
+        assert client.out is not None and self._loop is not None
+        try:
+            client.out = client.out[client.sock.send(client.out):]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._close(client, self._loop)
+            return False
+        if client.out:
+            return True
+        if client in self._held:
+            self._loop.remove_writer(client.sock)
+        self._flushed(client)
+        return False
+
+    def _flushed(self, client: _Client) -> None:
+        """An answer written whole: closed once the client has acknowledged every byte (it may not read them:
+        until then the kernel holds them), reset at the deadline. What the client sent past its request is read
+        first, so that closing sends FIN, not RST, and a client still reading gets the whole answer."""
+        assert self._loop is not None
+        if client.timer is not None:
+            client.timer.cancel()
+            client.timer = None
+        for _ in range(16):
+            try:
+                if not client.sock.recv(65536):
+                    break
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # reset by the client
+                self._close(client, self._loop)
+                return
+        unacknowledged = struct.unpack("i", fcntl.ioctl(client.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        if not unacknowledged:
+            self._close(client, self._loop, reset=False)
+        elif self._loop.time() >= client.deadline:
+            self._close(client, self._loop)
+        else:
+            self._hold(client, self._loop)
+
+    def _reply(self, line: bytes) -> tuple[int, str, bytes, bool]:
+        """(status, content type, body, whether to leave the body out) for a request line; one that is
+        malformed gets a 4xx and at most one short debug line, never a traceback."""
         parts = line.decode("latin-1").split()
         if len(parts) not in (2, 3) or not parts[1].startswith("/"):
             log.debug("HTTP request refused: malformed request line")
