@@ -174,22 +174,6 @@ def test_limits_are_worded_by_the_agent(tmp_path: Path, kubelet_dir: Path) -> No
 # --- a second actor -------------------------------------------------------------------------------------
 
 
-async def test_a_second_agent_on_one_kubelet_dir_is_refused_naming_the_first(kubelet_dir: Path) -> None:
-    first = await asyncio.create_subprocess_exec(
-        *AGENT, "run", "--no-kube", "--nvml", "mock:single-h200", "--kubelet-dir", str(kubelet_dir),
-        "--metrics-port", "0", stderr=asyncio.subprocess.PIPE)
-    try:
-        assert first.stderr is not None
-        while b"agent started" not in await asyncio.wait_for(first.stderr.readline(), 20):
-            pass
-        second = await asyncio.to_thread(run_agent, kubelet_dir)
-        assert one_line(second) == (f"gpu-agent run: error: another agent serves the kubelet directory "
-                                    f"{kubelet_dir}: pid {first.pid} holds the lock on {kubelet_dir}")
-    finally:
-        first.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(first.wait(), 15) == 0
-
-
 async def first_agent(kubelet_dir: Path) -> asyncio.subprocess.Process:
     """`gpu-agent run` on `kubelet_dir`, once it has started (its lines after that stay in its stderr pipe)."""
     first = await asyncio.create_subprocess_exec(
@@ -199,6 +183,17 @@ async def first_agent(kubelet_dir: Path) -> asyncio.subprocess.Process:
     while b"agent started" not in await asyncio.wait_for(first.stderr.readline(), 20):
         pass
     return first
+
+
+async def test_a_second_agent_on_one_kubelet_dir_is_refused_naming_the_first(kubelet_dir: Path) -> None:
+    first = await first_agent(kubelet_dir)
+    try:
+        second = await asyncio.to_thread(run_agent, kubelet_dir)
+        assert one_line(second) == (f"gpu-agent run: error: another agent serves the kubelet directory "
+                                    f"{kubelet_dir}: pid {first.pid} holds the lock on {kubelet_dir}")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(first.wait(), 15) == 0
 
 
 async def line_with(process: asyncio.subprocess.Process, text: str, timeout: float = 10) -> str:
