@@ -133,7 +133,8 @@ class Agent:
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts,
                                             self.nvml.overdue)
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
-                                 lambda: self.dra.plugin.holders() if self.dra is not None else [])
+                                 lambda: self.dra.plugin.holders() if self.dra is not None else [],
+                                 kubelet_dir=options.kubelet_dir)
         self.mps = MpsDaemons(bus, control=options.mps_control)
         counts = getattr(options.kube, "counts", None)
         self.api_counts = counts if isinstance(counts, ApiCounts) else ApiCounts()

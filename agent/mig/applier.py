@@ -4,24 +4,37 @@ Crash safety comes from two facts. Every apply plans from the hardware as it is 
 an interruption finishes the job (a GPU instance left without its compute instance is completed, one left
 half-created is kept or destroyed like any other). And a journal file records the layout while an apply is in
 progress, so an agent that starts after a crash knows which layout to finish even without a cluster.
+
+The journal lives in mig.stateDir, on the node's disk. A disk that cannot keep it (full, read-only, an I/O error)
+fails the apply before anything on the GPUs changes, with a reason that names the disk and the path
+(StateDirError), never NVML; a file in its place that cannot be a journal (a FIFO, a device, a directory, a
+symbolic link to nothing, a file too large or not the journal's JSON) is read without waiting or unbounded
+memory and refused in one line naming it (Journal.pending).
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.mig.layout import MigLayout
+from agent.mig.layout import MigLayout, layout_name_problem
 from agent.mig.planner import GpuMigState, GpuPlan, MigInstance, ModeChange, NodePlan, PlanError, plan_node
 from agent.nvml.mig_ops import MigCallError, MigGpuState, MigOps, MigResetRequired
-from agent.yamlfile import write_atomically
+from agent.yamlfile import InputFileError, clip, printable, read_text_file, shown, write_atomically
 
 JOURNAL = "mig-journal.json"
+MAX_JOURNAL_BYTES = 64 * 1024
+"""The largest MIG journal the agent reads. The agent writes the layout's name (a label value: at most 63
+characters), the layouts file's path (at most PATH_MAX, 4096 bytes, each at most 6 once JSON escapes it: 24 KiB)
+and a time: at most about 25 KiB, on any node, since the journal names the layout and not the GPUs or their
+instances (a 16-GPU node with every GPU cut into 1g slices writes the same few hundred bytes as one GPU). The
+bound leaves more than twice that; a larger file is no journal the agent wrote, and is refused unread."""
 
 Outcome = Literal["success", "failed", "rebooting"]
 Step = Callable[[str], None]
@@ -36,6 +49,17 @@ class ApplyResult:
     plan: NodePlan | None = None
 
 
+class StateDirError(RuntimeError):
+    """mig.stateDir cannot keep the agent's MIG state (the disk is full, read-only, failing, or the path is not a
+    directory): the message is one line that says it is the disk, names the path and gives the system's reason."""
+
+    def __init__(self, doing: str, path: Path, err: OSError) -> None:
+        self.path = path
+        code = errno.errorcode.get(err.errno) if err.errno is not None else None
+        why = f"{err.strerror or err}{f' ({code})' if code else ''}"
+        super().__init__(f"disk error in mig.stateDir: cannot {doing} {printable(str(path))}: {why}")
+
+
 class Journal:
     """The layout being applied, kept in a file until the apply ends either way."""
 
@@ -43,20 +67,73 @@ class Journal:
         self.path = directory / JOURNAL
 
     def begin(self, layout: str, origin: str) -> None:
+        """Write the journal (atomically, flushed to disk); StateDirError when the disk cannot keep it."""
         record = {"layout": layout, "layouts_file": origin, "started": time.time()}
-        write_atomically(self.path, json.dumps(record))
+        try:
+            write_atomically(self.path, json.dumps(record))
+        except OSError as err:
+            raise StateDirError("write the MIG journal", self.path, err) from None
 
     def pending(self) -> str | None:
-        """The layout an interrupted apply was applying, if any."""
+        """The layout an interrupted apply was applying; None when there is no journal (no apply was
+        interrupted). A file there that is no journal the agent wrote (a FIFO, a device, a directory, a symbolic
+        link to nothing, larger than MAX_JOURNAL_BYTES, not UTF-8, not JSON, without a layout name) raises
+        InputFileError, one line naming it and what is wrong: it says an apply may have been interrupted, but
+        not which layout, so it is never taken for "none". It is read as every input file is
+        (read_text_file): without waiting on a FIFO and with bounded memory, so it costs the event loop nothing."""
         try:
-            value = json.loads(self.path.read_text()).get("layout")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, str) else None
+            text = read_text_file(self.path, MAX_JOURNAL_BYTES)
+        except InputFileError:
+            if not os.path.lexists(self.path):
+                return None
+            if _dangling(self.path):
+                raise InputFileError(self.path, f"is a symbolic link to {clip(_link_target(self.path), 200)}, "
+                                                "which does not exist") from None
+            raise
+        if not text.strip():
+            raise InputFileError(self.path, "is empty, not a MIG journal")
+        try:
+            record = json.loads(text)
+        except RecursionError:
+            raise InputFileError(self.path, "not JSON: nested too deeply") from None
+        except ValueError as err:  # JSONDecodeError, or a number too long to convert
+            detail = (f"{err.msg} (line {err.lineno}, column {err.colno})" if isinstance(err, json.JSONDecodeError)
+                      else str(err).split(":", 1)[0])
+            raise InputFileError(self.path, f"not JSON: {detail}") from None
+        layout = record.get("layout") if isinstance(record, dict) else None
+        if not isinstance(layout, str):
+            raise InputFileError(self.path, "not a MIG journal: it names no layout (a string under \"layout\")")
+        problem = layout_name_problem(layout)
+        if problem is not None:
+            raise InputFileError(self.path, f"not a MIG journal: its layout {shown(layout)}: {problem}")
+        return layout
 
     def end(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        """Remove the journal (gone already is fine); StateDirError when the disk refuses."""
+        try:
             self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise StateDirError("remove the MIG journal", self.path, err) from None
+
+
+def _dangling(path: Path) -> bool:
+    """Whether `path` is a symbolic link to nothing (not one to a file that cannot be read, nor a loop)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return os.path.islink(path)
+    except OSError:
+        return False
+    return False
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def read_node(ops: MigOps, gpus: int) -> list[MigGpuState]:
@@ -156,11 +233,19 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
         return ApplyResult(layout.name, "failed", f"cannot plan the layout: {err}")
     if plan.noop and not orphans and not pending:
         if journal:
-            journal.end()
+            try:
+                journal.end()
+            except StateDirError as err:
+                return ApplyResult(layout.name, "failed", f"{err}; the GPUs have layout {layout.name!r} already, "
+                                   "and nothing was changed on them", plan)
         return ApplyResult(layout.name, "success", plan.selects_nothing or f"layout {layout.name!r} is already applied",
                            plan)
     if journal:
-        journal.begin(layout.name, layout.origin)
+        # Before the first change: a disk that cannot keep the journal fails the apply with nothing touched.
+        try:
+            journal.begin(layout.name, layout.origin)
+        except StateDirError as err:
+            return ApplyResult(layout.name, "failed", f"{err}; nothing was changed on the GPUs", plan)
     waiting: list[str] = []
     done: list[str] = []
 
@@ -193,5 +278,10 @@ def apply_layout(ops: MigOps, gpus: int, layout: MigLayout, journal: Journal | N
         return ApplyResult(layout.name, "failed",
                            f"layout {layout.name!r} did not verify; still to do: {after.describe()}", plan)
     if journal:
-        journal.end()
+        try:
+            journal.end()
+        except StateDirError as err:
+            # The GPUs have the layout; the journal stays, and the next try (a no-op apply) removes it.
+            return ApplyResult(layout.name, "failed", f"layout {layout.name!r} applied: {len(done)} change(s), "
+                               f"but {err}", plan)
     return ApplyResult(layout.name, "success", f"layout {layout.name!r} applied: {len(done)} change(s)", plan)

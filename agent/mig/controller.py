@@ -3,25 +3,38 @@
 It follows `mig_request` in NodeState (fed from the Node's nvidia.com/mig.config label) and publishes
 `mig_status`: pending first, then success, failed or rebooting with the reason. Every path ends in one of
 those; nothing stays pending while the agent runs.
+
+Before anything is withdrawn or changed, a layout is refused when the node it would make cannot be served: a
+resource the device plugin would advertise after it whose socket path the kubelet directory has no room for
+(`unservable`). A disk that cannot keep the journal or the apply lock in mig.stateDir fails the apply as a disk
+error naming the path, with nothing changed on the GPUs. A journal that cannot be read at start is named in one
+line, and, with no label to follow, on the Node: the agent does not guess which layout it was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
+from agent.checks import StartupError, check_sockets
+from agent.dra.slices import plugin_resources
+from agent.inventory import plan as resource_plan
 from agent.locks import Held, mig_apply_lock
 from agent.metrics import Metrics
-from agent.mig.applier import ApplyResult, Journal, apply_layout, plan_layout
+from agent.mig.applier import ApplyResult, Journal, StateDirError, apply_layout, plan_layout
 from agent.mig.layout import LayoutError, MigLayout, load_layouts
-from agent.mig.planner import NodePlan, PlanError
+from agent.mig.planner import ModeChange, NodePlan, PlanError
 from agent.nvml.backend import NvmlBackend
 from agent.nvml.mig_ops import MigCallError, MigOps
+from agent.nvml.records import MigDeviceInfo
 from agent.nvmlthread import NvmlCall
 from agent.podresources import CLAIM, DeviceHolder, PodResourcesUnavailable, holders
 from agent.state import MigStatus, NodeState, StateBus
-from agent.yamlfile import clip, one_line
+from agent.yamlfile import InputFileError, clip, one_line, printable
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +68,51 @@ def _in_use(state: NodeState, busy: list[DeviceHolder], waited: str) -> str:
     return f"{which} in use{waited} by {pods}"
 
 
+def after_layout(state: NodeState, plan: NodePlan) -> NodeState:
+    """The node as `plan` leaves it, to plan the resources it will advertise (agent.inventory.plan, the one place
+    resource names are made): each GPU the layout selects with its MIG mode and one MIG device per GPU instance
+    of its target (the apply gives each GPU instance one compute instance spanning it), the other GPUs and their
+    MIG devices as they are; no GPU draining."""
+    planned = {p.index: p for p in plan.gpus}
+    gpus = []
+    devices = [m for m in state.inventory.mig_devices if m.parent_index not in planned]
+    for gpu in state.inventory.gpus:
+        gpu_plan = planned.get(gpu.index)
+        if gpu_plan is None:
+            gpus.append(gpu)
+            continue
+        enabled = gpu.mig_enabled if gpu_plan.mode is ModeChange.NONE else gpu_plan.mode is ModeChange.ENABLE
+        gpus.append(dataclasses.replace(gpu, mig_enabled=enabled, mig_pending=False))
+        if enabled:
+            devices += [MigDeviceInfo(f"MIG-planned-{gpu.index}-{i.start}", gpu.index, i.start, 0, i.profile, 0,
+                                      i.start, i.size) for i in gpu_plan.target]
+    devices.sort(key=lambda m: (m.parent_index, m.placement_start))
+    inventory = dataclasses.replace(state.inventory, gpus=tuple(gpus), mig_devices=tuple(devices))
+    return dataclasses.replace(state, inventory=inventory, draining=frozenset())
+
+
+def unservable(state: NodeState, plan: NodePlan, kubelet_dir: Path) -> str | None:
+    """Why the device plugin could not serve the node `plan` makes, or None: a resource it would advertise (under
+    the config's migStrategy, resource patterns and sharing) whose socket path the kubelet directory leaves no
+    room for (agent.checks.check_sockets, as start and reload check the node as it is). Only what the device
+    plugin serves counts (agent.dra.slices.plugin_resources): in DRA mode whole GPUs are the DRA driver's."""
+    resources = resource_plan(after_layout(state, plan)).resources
+    dra = state.config.dra
+    try:
+        check_sockets(kubelet_dir, sorted(plugin_resources(resources, dra.enabled or state.handover,
+                                                            dra.dynamic_mig)))
+    except StartupError as err:
+        return (f"layout {plan.layout!r} cannot be served: {err}; nothing was changed on the GPUs")
+    return None
+
+
 class MigController:
     def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall, metrics: Metrics | None = None,
-                 claimed: Callable[[], list[DeviceHolder]] = list) -> None:
+                 claimed: Callable[[], list[DeviceHolder]] = list, kubelet_dir: Path | None = None) -> None:
         self._metrics = metrics
+        self._kubelet_dir = kubelet_dir
+        """The device plugin's directory (--kubelet-dir): a layout whose resources' sockets would not fit in it is
+        refused (`unservable`); None: not checked."""
         self._claimed = claimed
         """In DRA mode the devices of the claims the kubelet plugin has prepared (the PodResources API lists only
         the device plugin's)."""
@@ -138,6 +192,12 @@ class MigController:
         except MigCallError as err:  # a GPU NVML cannot read (lost): tried again with the usual backoff
             await self._finish(ApplyResult(name, "failed", f"cannot plan the layout: {one_line(str(err))}"))
             return self._status()
+        if self._kubelet_dir is not None:
+            why = unservable(self._bus.current, plan, self._kubelet_dir)
+            if why is not None:
+                self._settled = True  # trying again changes nothing: another layout or kubelet directory does
+                await self._finish(ApplyResult(name, "failed", why))
+                return self._status()
         changing = frozenset(g.uuid for g in state.inventory.gpus
                              if any(p.index == g.index and not p.noop for p in plan.gpus))
         if changing:
@@ -156,10 +216,16 @@ class MigController:
             if why is not None:
                 await self._finish(ApplyResult(name, "failed", why), changing)
                 return self._status()
-        journal = Journal(state.config.mig.state_dir)
+        state_dir = state.config.mig.state_dir
+        journal = Journal(state_dir)
 
         def locked_apply() -> ApplyResult:
-            with mig_apply_lock(state.config.mig.state_dir):
+            with contextlib.ExitStack() as stack:
+                try:
+                    stack.enter_context(mig_apply_lock(state_dir))
+                except OSError as err:  # the directory cannot be made or opened: the disk, not NVML
+                    return ApplyResult(name, "failed", f"{StateDirError('use the directory', state_dir, err)}; "
+                                                       "nothing was changed on the GPUs")
                 return apply_layout(self._ops, gpus, layout, journal, step=log.info)
 
         try:
@@ -184,7 +250,11 @@ class MigController:
         handled: str | None = None
         if dynamic_mig(state):
             log.info("dra.dynamicMig is on: the MIG manager applies no nvidia.com/mig.config label on this node")
-        interrupted = Journal(state.config.mig.state_dir).pending()
+        try:
+            interrupted = Journal(state.config.mig.state_dir).pending()
+        except InputFileError as err:
+            interrupted = None
+            await self._unreadable_journal(state, err)
         if interrupted is not None and state.mig_request is None and not dynamic_mig(state):
             log.warning("finishing the interrupted MIG apply of %s", interrupted)
             await self.apply(interrupted)
@@ -231,6 +301,24 @@ class MigController:
             if self._metrics:
                 self._metrics.mig_retries.labels(outcome=status.state).inc()
             await self.apply(status.layout)
+
+    async def _unreadable_journal(self, state: NodeState, err: InputFileError) -> None:
+        """A journal that cannot be read says an apply may have been interrupted, not which layout: one line names
+        the file and what is wrong. A label the agent follows applies its layout (planned from the hardware, it
+        finishes whatever was left, and its journal replaces the file); with none, the Node says so (state
+        `failed`, the reason, a MigConfigFailed Event) and the GPUs stay as they are: the agent does not guess."""
+        journal = f"the MIG journal {printable(str(err.path))} cannot be read ({err.reason})"
+        if dynamic_mig(state):
+            log.warning("%s; ignored: dra.dynamicMig is on, so DRA claims make this node's MIG devices", journal)
+            return
+        if state.mig_request is not None:
+            log.warning("%s; applying the labelled layout %s, which replaces it", journal, clip(state.mig_request))
+            return
+        reason = (f"{journal}: a MIG apply may have been interrupted, and which layout it was applying is unknown; "
+                  "nothing was changed on the GPUs. Set the nvidia.com/mig.config label to the layout the GPUs "
+                  "should have (its apply finishes from what the GPUs have and replaces the file), or remove the file")
+        log.error("%s", reason)
+        await self._bus.record([("", "mig-failed", reason)], mig_status=MigStatus("", "failed", reason))
 
     async def _say(self, status: MigStatus, note: str) -> None:
         await self._bus.update(mig_status=MigStatus(status.layout, status.state, f"{status.reason}; {note}"))

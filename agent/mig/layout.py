@@ -413,7 +413,8 @@ def _overlap(a: LayoutEntry, b: LayoutEntry) -> str | None:
     return f"{gpus} of the filtered models" if filtered else gpus
 
 
-def _name_problem(name: str) -> str | None:
+def layout_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a layout's name (it must be a label value: the Node's label selects it), or None."""
     if _LABEL_VALUE_RE.fullmatch(name):
         return None
     if "+" in name:
@@ -435,7 +436,7 @@ def _layouts(configs: Any, origin: str, problems: list[tuple[str, str]]) -> dict
             problems.append((path, f"layout name must be a string, got {shown(name)} (quote it)"))
             continue
         before = len(problems)
-        name_problem = _name_problem(name)
+        name_problem = layout_name_problem(name)
         if name_problem is not None:
             problems.append((path, name_problem))
         if not isinstance(raw_entries, list):

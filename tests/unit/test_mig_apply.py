@@ -15,6 +15,7 @@ import pytest
 from agent.mig.applier import JOURNAL, ApplyResult, Journal, plan_layout
 from agent.mig.layout import MigLayout, load_layouts, parse_layouts
 from agent.nvml.fake import FakeNvml
+from agent.yamlfile import InputFileError
 from tests.builders import MigNode, started
 
 SHIPPED = load_layouts(None)
@@ -414,10 +415,28 @@ def test_journal_round_trip(tmp_path: Path) -> None:
     journal.end()  # ending twice is harmless
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"layout": 3}', '{"other": "x"}'])
-def test_an_unreadable_journal_names_no_layout(tmp_path: Path, content: str) -> None:
+NO_LAYOUT = 'not a MIG journal: it names no layout (a string under "layout")'
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ("", "is empty, not a MIG journal"),
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes (line 1, column 2)"),
+    ("[1, 2]", NO_LAYOUT),
+    ('{"layout": 3}', NO_LAYOUT),
+    ('{"other": "x"}', NO_LAYOUT),
+    ('{"layout": "all balanced"}', "not a MIG journal: its layout 'all balanced': a layout name must be a label "
+                                   "value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a "
+                                   "letter or digit"),
+    ("[" * 60_000, "not JSON: nested too deeply"),
+    ("9" * 5_000, "not JSON: Exceeds the limit (4300 digits) for integer string conversion"),
+])
+def test_a_journal_that_names_no_layout_is_refused_in_one_line_naming_it(
+        tmp_path: Path, content: str, reason: str) -> None:
+    # An apply may have been interrupted, but which layout is unknown: never taken for "no interrupted apply".
     (tmp_path / JOURNAL).write_text(content)
-    assert Journal(tmp_path).pending() is None
+    with pytest.raises(InputFileError) as refused:
+        Journal(tmp_path).pending()
+    assert str(refused.value) == f"{tmp_path / JOURNAL}: {reason}"
 
 
 def test_a_finished_apply_leaves_no_journal(tmp_path: Path) -> None:

@@ -1,0 +1,359 @@
+"""What the MIG manager does with a mig.stateDir that cannot keep its state, driven the way the agent drives it
+(the MIG controller on the fake NVML, its NodeState read as the Node would show it):
+
+- a journal that cannot be one (a FIFO, a symbolic link to /dev/zero, a directory, a symbolic link to nothing, a
+  file over its size limit, not JSON) is read without waiting and with bounded memory, and named in one line: in
+  the log and, with no label to follow, in the MIG state, its reason and a MigConfigFailed Event; the GPUs are not
+  touched. Each such agent runs in a child process with its address space capped and a deadline, so that a reader
+  that waits on the FIFO or reads /dev/zero to its end fails the test instead of hanging it or taking the host's
+  memory.
+- a disk that cannot keep the journal (full, read-only, a file where the directory should be) fails the apply as a
+  disk error naming the path, not as an NVML error, with one log line, no traceback, and nothing changed on the
+  GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.config import AgentConfig, parse_config
+from agent.kube.reconciler import EVENT_REASONS, MIG_REASON_ANNOTATION, MIG_STATE_LABEL, TaintPolicy, node_intent
+from agent.mig.applier import JOURNAL, MAX_JOURNAL_BYTES, Journal
+from agent.mig.controller import MigController
+from agent.mig.layout import load_layouts
+from agent.nvml.backend import fake_backend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.mig_ops import MigOps
+from agent.nvml.nodefile import load_node
+from agent.state import MigStatus, NodeState, StateBus
+from tests.builders import started
+
+REPO = Path(__file__).resolve().parents[2]
+PRESET = "dgx-h100"
+LAYOUT = "all-1g.10gb"
+FRESH = [(False, False, 0)] * 8
+"""(MIG enabled, mode change pending, GPU instances) of each GPU of a fresh dgx-h100: what "untouched" means."""
+SETTLE_S = 10.0
+"""Far beyond what the controller takes to publish an outcome on the fake (well under a second)."""
+CHILD_S = 30.0
+"""The child process's deadline: one that runs into it hung (waiting on a FIFO with the event loop)."""
+CHILD_MEMORY = 1 << 30
+"""The child's address space: the agent's own needs a few hundred MB; reading /dev/zero to its end does not fit."""
+READ_PEAK = 1 << 20
+"""The most memory the controller may allocate to find a journal unreadable: the journal's bound is 64 KiB."""
+UNREAD = ("a MIG apply may have been interrupted, and which layout it was applying is unknown; nothing was changed "
+          "on the GPUs. Set the nvidia.com/mig.config label to the layout the GPUs should have (its apply finishes "
+          "from what the GPUs have and replaces the file), or remove the file")
+
+
+def mig_config(state_dir: Path, tmp: Path) -> AgentConfig:
+    return parse_config(yaml.safe_dump({
+        "version": "v1", "flags": {"migStrategy": "mixed"},
+        "mig": {"stateDir": str(state_dir), "podResourcesSocket": str(tmp / "no-kubelet" / "kubelet.sock")}}))
+
+
+def gpus(backend: Any) -> list[tuple[bool, bool, int]]:
+    """What NVML (the fake) reports of each GPU's MIG state."""
+    return [(s.mig_enabled, s.mig_pending, len(s.instances)) for s in map(MigOps(backend).state, range(8))]
+
+
+@contextlib.contextmanager
+def agent_log() -> Iterator[list[dict[str, Any]]]:
+    """The agent's log records, as a list of {level, message, traceback}."""
+    records: list[dict[str, Any]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append({"level": record.levelname, "message": record.getMessage(),
+                            "traceback": record.exc_info is not None})
+
+    logger, handler = logging.getLogger("agent"), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class RecordingBus(StateBus):
+    """A StateBus that keeps which GPUs each published state withdrew (draining)."""
+
+    def __init__(self, state: NodeState) -> None:
+        super().__init__(state)
+        self.withdrawn: list[frozenset[str]] = []
+
+    async def update(self, **changes: Any) -> NodeState:
+        state = await super().update(**changes)
+        self.withdrawn.append(state.draining)
+        return state
+
+    async def record(self, incidents: list[tuple[str, str, str]], **changes: Any) -> NodeState:
+        state = await super().record(incidents, **changes)
+        self.withdrawn.append(state.draining)
+        return state
+
+
+async def drive(config: AgentConfig, label: str | None, done: Callable[[MigStatus], bool],
+                kubelet_dir: Path | None = None) -> dict[str, Any]:
+    """Run the MIG controller on a fresh fake dgx-h100 with `label` on the Node until its status is `done` (at most
+    SETTLE_S); what the Node and the GPUs then show, what was logged, and the memory it allocated meanwhile."""
+    fake = FakeNvml(load_node(PRESET))
+    backend = fake_backend(fake)
+    backend.init()
+    bus = RecordingBus(NodeState(version=1, inventory=backend.inventory(), config=config, mig_request=label))
+
+    async def nvml(fn: Callable[[], Any], **_: Any) -> Any:
+        return fn()
+
+    with agent_log() as logs:
+        tracemalloc.start()
+        task = asyncio.create_task(MigController(backend, bus, nvml, kubelet_dir=kubelet_dir).run())
+        try:
+            async with asyncio.timeout(SETTLE_S):
+                while (status := bus.current.mig_status) is None or not done(status):
+                    await bus.wait_newer(bus.current.version)
+        except TimeoutError:
+            pass
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    state = bus.current
+    intent = node_intent(state, {}, TaintPolicy("gpu-node-agent.io/gpu-fault", "NoSchedule"))
+    return {
+        "status": None if state.mig_status is None else list(vars(state.mig_status).values()),
+        "state_label": intent.labels.get(MIG_STATE_LABEL),
+        "annotation": intent.annotations.get(MIG_REASON_ANNOTATION),
+        "events": [[EVENT_REASONS[i.kind], i.message] for i in state.incidents],
+        "logs": logs,
+        "gpus": gpus(backend),
+        "withdrawn": len({uuid for draining in bus.withdrawn for uuid in draining}),
+        "draining": len(state.draining),
+        "peak": peak,
+        "crashed": repr(task.exception()) if task.done() and not task.cancelled() and task.exception() else None,
+    }
+
+
+def child(args: list[str]) -> None:
+    """The child process: the controller on a state directory and label (args), its outcome as JSON on stdout."""
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+    state_dir, tmp, label = Path(args[0]), Path(args[1]), args[2] or None
+    outcome = asyncio.run(drive(mig_config(state_dir, tmp), label, lambda s: s.state != "pending"))
+    print(json.dumps(outcome))
+
+
+def in_child(state_dir: Path, tmp: Path, label: str | None = None) -> dict[str, Any]:
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", "import sys; from tests.unit.test_mig_state_dir import child; child(sys.argv[1:])",
+             str(state_dir), str(tmp), label or ""],
+            cwd=REPO, capture_output=True, text=True, timeout=CHILD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the MIG controller did not answer within {CHILD_S:g}s: it waits on the journal")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(run.stdout)
+    outcome["gpus"] = [tuple(gpu) for gpu in outcome["gpus"]]
+    return outcome
+
+
+# --- a journal that cannot be one ----------------------------------------------------------------------------
+
+
+def fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return "is a FIFO, not a regular file"
+
+
+def dev_zero(path: Path) -> str:
+    path.symlink_to("/dev/zero")
+    return "is a device, not a regular file"
+
+
+def directory(path: Path) -> str:
+    path.mkdir()
+    (path / "x").write_text("{}")
+    return "is a directory, not a regular file"
+
+
+def dangling(path: Path) -> str:
+    path.symlink_to("gone.json")
+    return "is a symbolic link to gone.json, which does not exist"
+
+
+def over_limit(path: Path) -> str:
+    # A journal naming a layout, padded past the bound: it is not read at all, not even its first bytes.
+    path.write_text(json.dumps({"layout": "all-balanced"}).ljust(MAX_JOURNAL_BYTES + 1))
+    return "larger than 64 KiB; not read"
+
+
+def invalid_json(path: Path) -> str:
+    path.write_text('{"layout": "all-balanced", "layouts_file": "built-in def')
+    return "not JSON: Unterminated string starting at (line 1, column 44)"
+
+
+SHAPES = [fifo, dev_zero, directory, dangling, over_limit, invalid_json]
+
+
+@pytest.mark.parametrize("make", SHAPES, ids=[f.__name__ for f in SHAPES])
+def test_an_unreadable_journal_with_no_label_is_named_on_the_node_and_nothing_changes(
+        tmp_path: Path, make: Callable[[Path], str]) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    journal = state_dir / JOURNAL
+    why = make(journal)
+
+    outcome = in_child(state_dir, tmp_path)
+
+    reason = f"the MIG journal {journal} cannot be read ({why}): {UNREAD}"
+    assert outcome["crashed"] is None
+    assert outcome["status"] == ["", "failed", reason]
+    assert (outcome["state_label"], outcome["annotation"]) == ("failed", reason)
+    assert outcome["events"] == [["MigConfigFailed", reason]]
+    assert [r for r in outcome["logs"] if str(journal) in r["message"]] == [
+        {"level": "ERROR", "message": reason, "traceback": False}]
+    assert outcome["peak"] < READ_PEAK, outcome["peak"]
+    # Nothing touched: not the GPUs, not their devices, not the file (the evidence stays for the operator).
+    assert outcome["gpus"] == FRESH
+    assert (outcome["withdrawn"], outcome["draining"]) == (0, 0)
+    assert os.path.lexists(journal)
+
+
+def test_an_unreadable_journal_under_a_label_is_replaced_by_the_labelled_layout(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    journal = state_dir / JOURNAL
+    os.mkfifo(journal)
+
+    outcome = in_child(state_dir, tmp_path, LAYOUT)
+
+    assert outcome["status"] == [LAYOUT, "success", f"layout {LAYOUT!r} applied: 64 change(s)"]
+    assert [r for r in outcome["logs"] if str(journal) in r["message"]] == [
+        {"level": "WARNING", "message": f"the MIG journal {journal} cannot be read (is a FIFO, not a regular file); "
+                                        f"applying the labelled layout {LAYOUT}, which replaces it",
+         "traceback": False}]
+    assert outcome["gpus"] == [(True, False, 7)] * 8
+    assert not os.path.lexists(journal)  # replaced by the apply's journal, removed once the layout verified
+
+
+# --- a disk that cannot keep the journal ---------------------------------------------------------------------
+
+
+def under(path: str | bytes | os.PathLike[str] | int, directory: Path) -> bool:
+    if isinstance(path, int):
+        with contextlib.suppress(OSError):
+            return os.readlink(f"/proc/self/fd/{path}").startswith(f"{directory}/")
+        return False
+    text = os.fsdecode(path)
+    return os.path.abspath(text).startswith(f"{directory}/")
+
+
+def disk_full(monkeypatch: pytest.MonkeyPatch, state_dir: Path) -> Path:
+    """Every file under `state_dir` fails to reach the disk with ENOSPC, as on a full filesystem."""
+    fsync = os.fsync
+
+    def full(fd: int) -> None:
+        if under(fd, state_dir):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    return state_dir
+
+
+def read_only(monkeypatch: pytest.MonkeyPatch, state_dir: Path) -> Path:
+    """No file can be created under `state_dir`, as on a read-only filesystem (the directory is there)."""
+    opener = os.open
+
+    def refuse(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT and under(path, state_dir):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+        return opener(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+    return state_dir
+
+
+def not_a_directory(monkeypatch: pytest.MonkeyPatch, state_dir: Path) -> Path:
+    """mig.stateDir under a regular file: the real thing, no simulation."""
+    blocker = state_dir.parent / "a-file"
+    blocker.write_text("")
+    return blocker / "state"
+
+
+DISKS: list[tuple[Callable[[pytest.MonkeyPatch, Path], Path], str]] = [
+    (disk_full, "cannot write the MIG journal {dir}/mig-journal.json: No space left on device (ENOSPC)"),
+    (read_only, "cannot write the MIG journal {dir}/mig-journal.json: Read-only file system (EROFS)"),
+    (not_a_directory, "cannot use the directory {dir}: Not a directory (ENOTDIR)"),
+]
+
+
+@pytest.mark.parametrize(("disk", "what"), DISKS, ids=[d.__name__ for d, _ in DISKS])
+async def test_a_disk_that_cannot_keep_the_journal_fails_the_layout_as_a_disk_error_and_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: Callable[[pytest.MonkeyPatch, Path], Path],
+        what: str) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    state_dir = disk(monkeypatch, state_dir)
+    reason = f"disk error in mig.stateDir: {what.format(dir=state_dir)}; nothing was changed on the GPUs"
+
+    outcome = await drive(mig_config(state_dir, tmp_path), LAYOUT, lambda s: "next try in" in s.reason)
+
+    # The reason on the Node and in the Event says the disk and the path, not NVML; the retry is announced as for
+    # any reason that can pass (the disk may be freed).
+    assert outcome["status"] == [LAYOUT, "failed", f"{reason}; next try in 30s (retry 1 of 5)"]
+    assert (outcome["state_label"], outcome["annotation"]) == ("failed", outcome["status"][2])
+    assert outcome["events"] == [["MigConfigFailed", f"MIG layout {LAYOUT}: failed: {reason}"]]
+    errors = [r for r in outcome["logs"] if r["level"] in ("ERROR", "CRITICAL")]
+    assert errors == [{"level": "ERROR", "message": f"MIG layout {LAYOUT}: failed: {reason}", "traceback": False}]
+    assert not any(r["traceback"] or "NVML error" in r["message"] for r in outcome["logs"])
+    assert outcome["gpus"] == FRESH
+    # The GPUs withdrawn for the apply are given back, and no temporary file is left behind.
+    assert (outcome["withdrawn"], outcome["draining"]) == (8, 0)
+    monkeypatch.undo()
+    assert not state_dir.exists() or list(state_dir.iterdir()) == []
+
+
+def test_a_journal_that_cannot_be_removed_after_the_apply_fails_it_and_the_next_try_finishes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = started(PRESET)
+    journal = Journal(tmp_path)
+    unlink = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path) == journal.path:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    result = node.apply(load_layouts().layout(LAYOUT), journal)
+    assert (result.outcome, result.reason) == (
+        "failed", f"layout {LAYOUT!r} applied: 64 change(s), but disk error in mig.stateDir: cannot remove the MIG "
+                  f"journal {journal.path}: Read-only file system (EROFS)")
+    assert gpus(node.backend) == [(True, False, 7)] * 8
+    assert journal.pending() == LAYOUT  # it stays: a start now finishes (a no-op) the same layout
+
+    monkeypatch.undo()
+    result = node.apply(load_layouts().layout(LAYOUT), journal)
+    assert (result.outcome, result.reason) == ("success", f"layout {LAYOUT!r} is already applied")
+    assert journal.pending() is None
