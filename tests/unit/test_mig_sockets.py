@@ -18,8 +18,8 @@ from agent.mig.layout import load_layouts
 from agent.simulate import InMemoryNode
 from agent.state import NodeState
 from tests.builders import started
+from tests.mig_rig import FRESH, LAYOUT, drive
 from tests.plugin_harness import running_agent, short_dir, wait_until
-from tests.unit.test_mig_state_dir import FRESH, LAYOUT, drive
 
 LONG_KUBELET_DIR = Path("/var/lib/k8s-" + "x" * 33 + "/device-plugins")
 """61 bytes: room for nvidia.com/gpu's socket name (45 bytes), none for nvidia.com/mig-1g.10gb's (53)."""
