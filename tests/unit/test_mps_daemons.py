@@ -314,9 +314,14 @@ async def test_a_burst_of_config_changes_ends_with_one_daemon_per_gpu_and_every_
             stalled = [node.mps / u / "log" / "stalled.pids" for u in node.uuids]
             await wait_until(lambda: all(p.exists() for p in stalled), 15, "the last config's daemons starting")
         else:
-            await wait_until(lambda: served(bus, node) and all(
-                len(node.running(u)) == 1 and node.limits_of(node.running(u)[0], u, 22) for u in node.uuids),
-                15, "both GPUs' daemons up with the last config's limits")
+            def settled() -> bool:
+                """Each GPU runs one daemon, with the last config's limits (each GPU's daemons read once: one may
+                stop between two reads)."""
+                running = {u: node.running(u) for u in node.uuids}
+                return served(bus, node) and all(len(r) == 1 and node.limits_of(r[0], u, 22)
+                                                 for u, r in running.items())
+
+            await wait_until(settled, 15, "both GPUs' daemons up with the last config's limits")
             for uuid in node.uuids:
                 assert len(node.running(uuid)) == 1
                 assert len(node.started(uuid)) - node.stopped(uuid) == 1
