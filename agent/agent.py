@@ -198,6 +198,7 @@ class Agent:
         # Without an API server the figures are there all the same, at zero: dashboards need no special case.
         self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.current, lambda: bus.current, lambda: telemetry.enabled))
+        self.metrics.watch_free(bus, self.pod_holdings)
         self.spawn("telemetry", telemetry.run)
         if opts.config_path is not None:
             self.spawn("config-reload", self.config_reload.follow)
@@ -240,6 +241,19 @@ class Agent:
         log.info("took over the kubelet directory %s: serving the device plugin, MIG manager, MPS daemons and the "
                  "Node", self.options.kubelet_dir)
         self._spawn_owned()
+
+    def pod_holdings(self) -> frozenset[str] | None:
+        """The GPU and MIG device UUIDs pods hold, for the free-GPU figures of /metrics, from what the agent has
+        read already (nothing is asked for a scrape): the device plugin's allocations in the telemetry pass's
+        last PodResources listing (a replica counts for its GPU) and the devices of the DRA claims prepared here.
+        None outside DRA mode while no pass is current (the dcgm family off, or no pass yet): then no listing
+        says which GPUs pods hold. In DRA mode whole GPUs reach pods through the claims only (those held through
+        the mode the node left are NodeState.held), so what the agent prepared is enough."""
+        listing = self.telemetry.current
+        if not listing.taken_at and not self.bus.current.config.dra.enabled:
+            return None
+        claims = self.dra.plugin.holders() if self.dra is not None else []
+        return frozenset(listing.holders) | {h.device_id for h in claims}
 
     def _ready(self) -> tuple[bool, str]:
         """What /readyz answers: the agent's readiness (`ready`) once it holds the kubelet directory. Before (a

@@ -14,7 +14,7 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -23,9 +23,12 @@ from prometheus_client.registry import Collector
 
 from agent import logsink
 from agent.inventory import Device
-from agent.nvml.records import HealthReading
+from agent.nvml.records import HealthReading, NodeInventory
 from agent.nvmlthread import NvmlThread
-from agent.state import StateBus
+from agent.state import NodeState, StateBus
+from agent.topology.fragmentation import Fragmentation, fragmentation
+from agent.topology.model import Topology
+from agent.topology.prefer import topology_of
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,11 @@ class Metrics:
               telemetry: Callable[[], Mapping[str, HealthReading]],
               xids: Callable[[], Mapping[tuple[str, int], int]]) -> None:
         self.registry.register(StateCollector(bus, devices, telemetry, xids))
+
+    def watch_free(self, bus: StateBus, holdings: Callable[[], Collection[str] | None]) -> None:
+        """The free GPUs and how fragmented they are; `holdings`: the GPU and MIG device UUIDs pods hold, None
+        where the agent does not know them."""
+        self.registry.register(FreeCapacityCollector(bus, holdings))
 
 
 class _LogDropCollector(Collector):
@@ -234,6 +242,61 @@ class StateCollector(Collector):
             allocatable.add_metric([resource], sum(d.healthy for d in items))
         yield advertised
         yield allocatable
+
+
+class FreeCapacityCollector(Collector):
+    """The free whole GPUs, the largest NVLink-connected and one-NUMA-node sets of them, and the MIG instances
+    that could still be placed (agent/topology/fragmentation.py), from the newest state and what pods hold at
+    scrape time. They are computed again only when either changed, so a scrape costs a comparison in between.
+    Where the holdings are not known the free-GPU figures have no sample rather than count held GPUs free."""
+
+    def __init__(self, bus: StateBus, holdings: Callable[[], Collection[str] | None]) -> None:
+        self._bus = bus
+        self._holdings = holdings
+        self._topology: tuple[NodeInventory, Topology] | None = None
+        self._last: tuple[NodeState, frozenset[str] | None, Fragmentation] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def _figures(self) -> tuple[bool, Fragmentation]:
+        state = self._bus.current
+        found = self._holdings()
+        held = None if found is None else frozenset(found)
+        last = self._last
+        if last is None or last[0] is not state or last[1] != held:
+            topology = self._topology
+            if topology is None or topology[0] is not state.inventory:
+                topology = (state.inventory, topology_of(state.inventory))
+                self._topology = topology
+            last = (state, held, fragmentation(state, held or frozenset(), topology[1]))
+            self._last = last
+        return held is not None, last[2]
+
+    def collect(self) -> Iterator[Metric]:
+        known, figures = self._figures()
+        free = {
+            "gpu_agent_free_gpus": ("Whole GPUs free: offered (healthy, MIG off, not draining) and held by no pod.",
+                                    len(figures.free)),
+            "gpu_agent_free_gpus_largest_nvlink_set": ("The most free GPUs all joined pairwise by NVLink.",
+                                                       figures.largest_nvlink_set),
+            "gpu_agent_free_gpus_largest_numa_set": ("The most free GPUs on one NUMA node.", figures.largest_numa_set),
+        }
+        for name, (doc, value) in free.items():
+            family = GaugeMetricFamily(name, doc)
+            if known:
+                family.add_metric([], value)
+            yield family
+        best = GaugeMetricFamily("gpu_agent_gpus_largest_nvlink_set",
+                                 "The most of the node's GPUs, free or not, all joined pairwise by NVLink.")
+        best.add_metric([], figures.node_nvlink_set)
+        yield best
+        mig = GaugeMetricFamily("gpu_agent_mig_placeable_instances",
+                                "More instances of the MIG profile the MIG GPUs could take beside theirs, summed.",
+                                labels=["profile"])
+        for profile, count in figures.mig_placeable.items():
+            mig.add_metric([profile], count)
+        yield mig
 
 
 REQUEST_LINE_MAX = 8192

@@ -100,11 +100,22 @@ def agent_config(directory: Path, **mig: object) -> Any:
     }))
 
 
+QUADS = """\
+version: v1
+driver: {version: "570.133.20", cuda: "12.8"}
+gpus:
+""" + "".join(f"  - {{model: A100-SXM4-80GB, numa_node: {i // 4}}}\n" for i in range(8)) + "links:\n" + "".join(
+    f"  - {{gpus: [{a}, {b}], nvlink: 4}}\n" for q in (0, 4) for a in range(q, q + 4) for b in range(a + 1, q + 4))
+"""Eight A100s in two NVLink quads (each GPU's 12 links, 4 to each of the other three of its quad), a quad per NUMA
+node: a pod on one GPU of each quad leaves 6 free, no 4 of them joined by NVLink, though 4 of the node's are."""
+
+
 @dataclass
 class Rig:
     node1: Node
     node2: Node
     node3: Node
+    node4: Node
     lister: PodResources
     on_node1: AgentRig
     directory: Path
@@ -120,14 +131,19 @@ async def cluster() -> AsyncIterator[Rig]:
     """gpu-node-1: a DGX H100 registered with its kubelet, with PodResources; gpu-node-2: an H200 whose kubelet
     never answers the device plugin (the agent is not ready) and whose MIG label asks for a layout while a pod
     holds its GPU (the apply fails); gpu-node-3: an H200 whose only GPU is in MIG mode with no MIG device yet
-    (nothing to advertise) and whose API server refuses every watch as expired."""
+    (nothing to advertise) and whose API server refuses every watch as expired; gpu-node-4: two NVLink quads with a
+    pod on one GPU of each (its free GPUs fragmented)."""
     directory = short_dir()
-    other, third = directory / "other", directory / "third"
+    other, third, fourth = directory / "other", directory / "third", directory / "fourth"
     fake2 = FakeNvml(load_node("single-h200"))
-    lister, lister2 = PodResources(), PodResources()
+    fourth.mkdir()
+    (fourth / "quads.yaml").write_text(QUADS)
+    fake4 = FakeNvml(load_node(str(fourth / "quads.yaml")))
+    lister, lister2, lister4 = PodResources(), PodResources(), PodResources()
     lister2.pods = {"holder-0": [fake2.spec.gpus[0].uuid]}
+    lister4.pods = {"quad-0": [fake4.spec.gpus[0].uuid], "quad-1": [fake4.spec.gpus[4].uuid]}
     servers = []
-    for where, serving in ((directory, lister), (other, lister2)):
+    for where, serving in ((directory, lister), (other, lister2), (fourth, lister4)):
         (where / "pr").mkdir(parents=True)
         server = grpc.aio.server()
         pr_grpc.add_PodResourcesListerServicer_to_server(serving, server)
@@ -145,10 +161,13 @@ async def cluster() -> AsyncIterator[Rig]:
                           metrics_port=0, directory=other) as two,
         ):
             await node2.patch_metadata({"nvidia.com/mig.config": "all-1g.18gb"}, {})
-            async with running_agent("single-h200", agent_config(third), fake=fake3, kubelet_first=False,
-                                     kube=ForgetfulApiServer("gpu-node-3"), metrics_port=0, directory=third) as three:
-                yield Rig(Node(one.agent, one.fake), Node(two.agent, fake2), Node(three.agent, fake3), lister, one,
-                          directory)
+            async with (
+                running_agent("single-h200", agent_config(third), fake=fake3, kubelet_first=False,
+                              kube=ForgetfulApiServer("gpu-node-3"), metrics_port=0, directory=third) as three,
+                running_agent("quads", agent_config(fourth), fake=fake4, metrics_port=0, directory=fourth) as four,
+            ):
+                yield Rig(Node(one.agent, one.fake), Node(two.agent, fake2), Node(three.agent, fake3),
+                          Node(four.agent, fake4), lister, one, directory)
     finally:
         for server in servers:
             await server.stop(None)
@@ -189,7 +208,8 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
         fake.set_workload(5, 0.9, 0.99)  # trainer-0 fills GPU 5's memory
         fake.set_workload(6, 0.0)  # idle-0 holds GPU 6 and does nothing with it
         fake.set_gpu_lost(7)
-        targets = {"gpu-node-1": node1.port, "gpu-node-2": rig.node2.port, "gpu-node-3": rig.node3.port}
+        targets = {"gpu-node-1": node1.port, "gpu-node-2": rig.node2.port, "gpu-node-3": rig.node3.port,
+                   "gpu-node-4": rig.node4.port}
         with running_prometheus(rig.directory, targets, [RULES]) as prom:
             # Four kubelet restarts once Prometheus watches: each one a registration again.
             await wait_until(lambda: prom.query('gpu_agent_kubelet_registrations_total{instance="gpu-node-1"}'),
@@ -222,7 +242,8 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
                 found: list[str] = prom.get("/api/v1/label/instance/values", **{"match[]": "DCGM_FI_DEV_GPU_TEMP"})
                 return found
 
-            assert await wait_until(lambda: instances() == ["gpu-node-1", "gpu-node-2", "gpu-node-3"], SCRAPED_S,
+            assert await wait_until(lambda: instances() == ["gpu-node-1", "gpu-node-2", "gpu-node-3", "gpu-node-4"],
+                                    SCRAPED_S,
                                     "every node's GPUs", blocking=True)
             gpu_values = prom.get("/api/v1/label/gpu/values",
                                   **{"match[]": 'DCGM_FI_DEV_GPU_TEMP{instance="gpu-node-1"}'})
@@ -248,7 +269,7 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert (xid["value"][1], xid["metric"]["err_msg"]) == ("79", "GPU has fallen off the bus")
 
             # Every shipped alert: its expression returns series, and Prometheus itself has it pending or firing.
-            rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+            rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
             for rule in rules:
                 assert await wait_until(lambda r=rule: returns_series(r["expr"]), SCRAPED_S, rule["alert"],
                                         blocking=True), rule["alert"]
@@ -268,6 +289,11 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert where["GPUAgentAdvertisesNothing"] == ["gpu-node-3"]
             assert where["GPUAgentAPIErrors"] == ["gpu-node-3"]
             assert where["GPUAgentRelistStorm"] == ["gpu-node-3"]
+            # Six free on gpu-node-4, at most three of them NVLink-joined (the rule's arithmetic is unit-tested in
+            # tests/prometheus/rules.test.yaml); the other nodes have fewer than four free.
+            assert where["GPUFreeButFragmented"] == ["gpu-node-4"]
+            assert [(s["metric"]["instance"], s["value"][1])
+                    for s in prom.query("instance:gpu_agent_free_gpus:fragmented_nvlink4")] == [("gpu-node-4", "6")]
 
             # The PromQL in docs/metrics.md is valid (Prometheus would answer an error otherwise).
             blocks = re.findall(r"```promql\n(.*?)```", (REPO / "docs" / "metrics.md").read_text(), re.S)
@@ -329,7 +355,7 @@ async def test_promtool_checks_the_agents_exposition() -> None:
 def test_promtool_checks_and_unit_tests_the_shipped_rules() -> None:
     check = promtool("check", "rules", str(RULES))
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 19 rules found" in check.stdout
+    assert "SUCCESS: 22 rules found" in check.stdout
     tested = promtool("test", "rules", str(RULE_TESTS))
     assert tested.returncode == 0, tested.stdout + tested.stderr
 

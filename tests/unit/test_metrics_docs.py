@@ -71,10 +71,12 @@ def test_every_metric_the_doc_names_exists(exposition: str) -> None:
     assert named - known == set()
 
 
-def test_the_alert_table_is_the_shipped_rules() -> None:
+def test_the_alert_and_recording_tables_are_the_shipped_rules() -> None:
     rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
     rows = table_after("## Alert rules")
-    assert [(row[0], row[1]) for row in rows] == [(r["alert"], r["labels"]["severity"]) for r in rules]
+    assert [(row[0], row[1]) for row in rows] == [(r["alert"], r["labels"]["severity"]) for r in rules if "alert" in r]
+    recorded = table_after("### Recording rules")
+    assert [row[0] for row in recorded] == [r["record"] for r in rules if "record" in r]
 
 
 def test_the_config_keys_the_doc_shows_are_the_agents() -> None:

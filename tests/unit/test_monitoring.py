@@ -20,7 +20,12 @@ def load(path: Path) -> Any:
 
 
 def rules() -> list[dict[str, Any]]:
-    return [r for g in load(RULES)["groups"] for r in g["rules"]]
+    """The alert rules."""
+    return [r for g in load(RULES)["groups"] for r in g["rules"] if "alert" in r]
+
+
+def recording_rules() -> list[dict[str, Any]]:
+    return [r for g in load(RULES)["groups"] for r in g["rules"] if "record" in r]
 
 
 def test_the_plain_file_the_prometheusrule_and_the_chart_carry_the_same_rules() -> None:
@@ -39,6 +44,7 @@ def test_the_rules_cover_what_operators_alert_on() -> None:
         "GPUPowerViolation", "GPULost", "GPUMemoryNearlyFull", "GPUIdleWhileHeld",
         "GPUUnhealthy", "GPUAgentNotReady", "GPUKubeletRegistrationsFlapping", "GPUAgentAdvertisesNothing",
         "GPUAgentAPIErrors", "GPUAgentRelistStorm", "GPUMigReconfigurationFailed",
+        "GPUFreeButFragmented",
     }
     for rule in by_name.values():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
@@ -86,6 +92,17 @@ def test_every_alert_has_a_rule_test_that_fires_it_and_one_where_it_stays_silent
             if gpu is not None and not any(labels.get("gpu") == gpu for labels in fired_labels):
                 silent_series += 1
     assert silent_series >= 8
+
+
+def test_every_recording_rule_is_named_by_its_convention_and_has_an_expression_test() -> None:
+    """level:metric:operations, the metric one the agent serves; each recorded series queried by a rule test."""
+    recorded = [r["record"] for r in recording_rules()]
+    assert recorded == ["instance:gpu_agent_free_gpus:fragmented_nvlink4",
+                        "cluster:gpu_agent_free_gpus:stranded_ratio_nvlink4"]
+    for rule in recording_rules():
+        assert set(rule) == {"record", "expr"}, rule["record"]
+    queried = {case["expr"] for test in load(RULE_TESTS)["tests"] for case in test.get("promql_expr_test", [])}
+    assert set(recorded) <= queried
 
 
 def test_the_component_adds_a_podmonitor_for_the_daemonsets_pods() -> None:
