@@ -25,8 +25,8 @@ lint: $(STAMP)
 protos: $(STAMP)
 	hack/protos.sh
 
-# The Kubernetes release the rig, the kubelet harness's cluster and `make cluster` run: 1.35, 1.36 or 1.37
-# (make test KUBE=1.35); empty: the newest. Each release's binaries are kept apart under .cache/testbin/kube-<release>.
+# The Kubernetes release the rig, the kubelet harness's cluster and `make cluster` run: 1.35, 1.36, 1.37 or 1.38
+# (make test KUBE=1.35); empty: the default, hack/testbin/kube/default (the newest GA release pinned; 1.38 is a beta). Each release's binaries are kept apart under .cache/testbin/kube-<release>.
 KUBE ?=
 export KUBE
 
@@ -48,7 +48,7 @@ cluster-down:
 unit: $(STAMP)
 	$(VENV)/bin/pytest tests/unit -q
 
-# The whole suite on KUBE (default the newest), then, without KUBE, the tests marked `matrix` on the oldest release.
+# The whole suite on KUBE (default hack/testbin/kube/default), then, without KUBE, the tests marked `matrix` on the oldest release.
 test: $(STAMP)
 	hack/test.sh
 

@@ -50,13 +50,52 @@ def check_sockets(kubelet_dir: Path, resources: Iterable[str]) -> None:
                            f"{name}, and it needs {need} (use a shorter --kubelet-dir)")
 
 
-def check_dra_sockets(*sockets: Path) -> None:
-    """Refuse DRA sockets (the registration socket and the DRA service's, with the agent Pod's UID in their names
-    during rolling updates) whose paths AF_UNIX cannot hold."""
-    for socket in sockets:
-        if len(str(socket).encode()) > SOCKET_PATH_MAX:
-            raise StartupError(f"DRA socket {socket} is {len(str(socket).encode())} bytes long: a socket path holds "
-                               f"at most {SOCKET_PATH_MAX} bytes (use a shorter dra.driverName or kubelet directory)")
+POD_UID_LENGTH = 36
+"""The length of a Pod UID (POD_UID: letters, digits and dashes, at most 36), which the DRA sockets carry in their
+names while a rolling update runs two agents on the node (agent/dra/claims.py, `Paths.under`)."""
+
+
+SHORTEST_DRA_DRIVER_NAME = len("a.b")
+"""A DRA driver name is a DNS subdomain with at least one dot (agent/config.py, DRA_DRIVER_NAME)."""
+
+
+def _dra_socket_lengths(kubelet_root: Path, driver: str) -> list[tuple[int, str]]:
+    """The DRA sockets of `driver` under `kubelet_root` with a Pod UID in their names: (length in bytes, the path
+    with `<pod-uid>` where the UID goes), longest first."""
+    from agent.dra.claims import Paths
+
+    uid = "0" * POD_UID_LENGTH
+    paths = Paths.under(kubelet_root, driver, Path("/"), uid)
+    found = [(len(os.fsencode(socket)), str(socket).replace(uid, "<pod-uid>"))
+             for socket in (paths.registration, paths.endpoint)]
+    return sorted(found, reverse=True)
+
+
+def longest_dra_driver_name(kubelet_root: Path) -> int:
+    """The longest dra.driverName whose DRA sockets fit under `kubelet_root` (the kubelet directory's parent) with
+    the agent Pod's UID in their names: 27 under /var/lib/kubelet, where the registration socket
+    `plugins_registry/<driver>-<pod-uid>-reg.sock` is the longer. Zero or less where none fits. The name appears
+    once in each socket's path, so each byte of it is a byte of the path."""
+    (longest, _), _ = _dra_socket_lengths(kubelet_root, "x")
+    return SOCKET_PATH_MAX - (longest - 1)
+
+
+def check_dra_sockets(kubelet_root: Path, driver: str) -> None:
+    """Refuse a dra.driverName whose DRA sockets (the registration socket and the DRA service's) cannot exist under
+    `kubelet_root`: with the agent Pod's UID in their names, whether or not this agent has one, since the next
+    rolling update gives it one. The one place start (agent/daemon.py) and reload (agent/reload.py) check it."""
+    fits = longest_dra_driver_name(kubelet_root)
+    if len(driver) <= fits:
+        return
+    (length, socket), _ = _dra_socket_lengths(kubelet_root, driver)
+    if fits >= SHORTEST_DRA_DRIVER_NAME:
+        room = f"at most {fits} fit"
+        change = f"a dra.driverName of at most {fits} characters, or a shorter kubelet directory"
+    else:
+        room, change = "no DRA driver name fits", "a shorter kubelet directory"
+    raise StartupError(f"dra.driverName {driver} is {len(driver)} characters, and {room} under {kubelet_root}: with "
+                       f"the agent Pod's UID in its name (as in a rolling update), its socket {socket} would be "
+                       f"{length} bytes long, and a socket path holds at most {SOCKET_PATH_MAX} (use {change})")
 
 
 def check_paths(config: AgentConfig) -> None:

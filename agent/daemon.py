@@ -316,8 +316,8 @@ def dra_parts(options: AgentOptions, dra: DraSettings, bus: StateBus, files: Nod
     from agent.dra.publisher import PublisherClass, SlicePublisher, slice_api
 
     metrics = footing.metrics
+    check_dra_sockets(options.kubelet_dir.parent, dra.driver_name)
     paths = options.dra_paths(dra)
-    check_dra_sockets(paths.registration, paths.endpoint)
     dynamic: DynamicMig | None = None
     try:
         make: PublisherClass = SlicePublisher

@@ -88,9 +88,8 @@ class ConfigReload:
         if (start_only := start_only_changes(self.dra_made(), new)) is not None:
             return await self._reject(f"{path}: {start_only}")
         if new.dra.enabled and self.dra_made() is None:  # a first switch to DRA mode: its sockets as start checks them
-            paths = self.options.dra_paths(new.dra)
             try:
-                check_dra_sockets(paths.registration, paths.endpoint)
+                check_dra_sockets(self.options.kubelet_dir.parent, new.dra.driver_name)
             except StartupError as err:
                 return await self._reject(str(err))
         if new.health.taint != self.bus.current.config.health.taint:

@@ -119,7 +119,7 @@ async def xid_to_withdrawal(kubeconfig: Path, node: str, preset: str, injections
     that GPU among the allocatable devices (withdrawn or tainted). One agent; after each injection the GPU is reset (its ECC count cleared), and the next injection
     waits until the slice has it again. Each goes to a random GPU after a random 0..EVENT_WAIT_MS pause."""
     root = short_dir()
-    kubelet_dir = root / "kubelet" / "device-plugins"
+    kubelet_dir = root / "device-plugins"
     kubelet_dir.mkdir(parents=True)
     # Health sampled every 0.1 s so that a reset GPU is healthy again quickly; the XID itself arrives as an
     # NVML event, the same path at any sample interval.

@@ -331,7 +331,7 @@ class Fleet:
         for _ in self.kubeconfigs:
             directory = short_dir()
             self.directories.append(directory)
-            (directory / "kubelet" / "device-plugins").mkdir(parents=True)
+            (directory / "device-plugins").mkdir(parents=True)
             (directory / "config.yaml").write_text(agent_config(directory, self.dra))
 
     def __len__(self) -> int:
@@ -340,7 +340,7 @@ class Fleet:
     def argv(self, i: int) -> list[str]:
         directory = self.directories[i]
         return [*AGENT, "run", "--nvml", f"mock:{PRESET}", "--config", str(directory / "config.yaml"),
-                "--kubelet-dir", str(directory / "kubelet" / "device-plugins"), "--node-name", node_name(i),
+                "--kubelet-dir", str(directory / "device-plugins"), "--node-name", node_name(i),
                 "--kubeconfig", str(self.kubeconfigs[i]), "--metrics-port", "0"]
 
     def start(self, indices: range | list[int]) -> None:

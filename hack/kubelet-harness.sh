@@ -28,9 +28,14 @@ module=$repo_root/tests/kubelet
 t_all=$(date +%s.%N)
 lock_testbin
 
-# Every Go source and the module files; sorted so the stamp is stable.
+# Every Go source and the module files; sorted so the stamp is stable. Then a
+# module kept in the repository that go.mod replaces one with, if any (as
+# hack/testbin/kube/1.38 does iptables-wrappers). The Go it builds with is the
+# one its go.mod names, as for the rig (lib.sh, module_toolchain).
 mapfile -t sources < <(cd "$module" && find . -name '*.go' -o -name go.mod -o -name go.sum | LC_ALL=C sort)
-stamp=$(stamp_for "kubelet-harness ${sources[*]}" "$repo_root/hack/testbin/lib.sh" "${sources[@]/#/$module/}")
+mapfile -t replaced < <(module_files "$module" | tail -n +3)
+stamp=$(stamp_for "kubelet-harness ${sources[*]}" "$repo_root/hack/testbin/lib.sh" "${sources[@]/#/$module/}" \
+    "${replaced[@]}")
 
 for name in kubelet-harness kubelet-stubplugin; do
     pkg=./${name#kubelet-}

@@ -2,7 +2,8 @@
 # The whole suite, stage by stage, printing how long each took: lint, the test rigs, then pytest beside the
 # end-to-end tests; each pytest stage ends with its 25 slowest tests (--durations=25).
 #
-# On the Kubernetes release KUBE (1.35, 1.36, 1.37; default the newest). Without KUBE it then runs the tests that
+# On the Kubernetes release KUBE (1.35, 1.36, 1.37, 1.38; default the one hack/testbin/kube/default names, the newest
+# GA release pinned: a release pinned to its beta runs only when asked for). Without KUBE it then runs the tests that
 # depend on the release (the pytest marker `matrix`) once more on the oldest supported release.
 #
 # usage: [KUBE=<release>] hack/test.sh            the whole suite (and, without KUBE, the oldest release's part)
@@ -48,8 +49,7 @@ workers=${TEST_WORKERS:-6}
 parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 [[ $workers == 0 ]] && parallel=(-p no:xdist)
 release=$(kube_release)
-releases=$(cd hack/testbin/kube && for d in */go.mod; do echo "${d%/go.mod}"; done | sort -V)
-oldest=$(head -n1 <<<"$releases")
+oldest=$(kube_oldest_release)
 
 # The tests that depend on the release, on `$1`: the rig's part, then the cluster's.
 matrix() {
@@ -78,8 +78,8 @@ if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
 # The end-to-end tests wait on a real kubelet, containerd and pods (little CPU), so they run beside the rest of pytest:
-# the newest release's, then the oldest release's that depend on the release, on the one cluster at a time, while
-# pytest runs the newest release's suite, then the oldest release's rig tests that depend on the release. The fuzz
+# the default release's, then the oldest release's that depend on the release, on the one cluster at a time, while
+# pytest runs the default release's suite, then the oldest release's rig tests that depend on the release. The fuzz
 # tests draw a fresh hypothesis seed when run alone; the whole suite runs them with a fixed one.
 # A cluster left by a run stopped with the machine (none of its processes alive) is taken down first: its kubelet
 # directory and pod namespaces would otherwise be in every test's way.

@@ -6,12 +6,18 @@
 # tests/e2e) runs, from the same wrapper module with the same flags, so they
 # share one build cache.
 #
-# One Kubernetes minor release at a time: KUBE=1.35 (or 1.36, 1.37) picks it;
-# without KUBE, the newest. Each release has its own pins in
+# One Kubernetes minor release at a time: KUBE=1.35 (or 1.36, 1.37, 1.38) picks
+# it; without KUBE, the default (hack/testbin/kube/default: the newest GA
+# release pinned). Each release has its own pins in
 # hack/testbin/{kube,etcd}/<release>/go.mod (with committed go.sum) and its own
 # binaries side by side under .cache/testbin/kube-<release>/, so switching
 # releases rebuilds nothing. A binary whose stamp matches is not rebuilt, so
 # running it again costs a fraction of a second.
+#
+# Each module builds with the Go its go.mod names on a `toolchain` line, else
+# this machine's Go (hack/testbin/lib.sh, module_toolchain): Kubernetes 1.38
+# needs Go 1.27, so hack/testbin/kube/1.38/go.mod says `toolchain go1.27.3` and
+# the go command fetches that toolchain from the module proxy once per machine.
 #
 # usage: KUBE=<release> hack/testbin.sh [--print-versions | --print-dir] [NAME...]
 #   NAME...  build only these (kube-apiserver kubectl etcd kubelet
@@ -83,8 +89,13 @@ testbin_dir=$release_dir
 mkdir -p "$testbin_dir"
 log "Kubernetes $kube_release: $kube_version, etcd $etcd_version, into $testbin_dir"
 
+# What decides the bytes of each module's binaries besides lib.sh: go.mod (its
+# toolchain line included), go.sum, and a module kept in the repository that
+# go.mod replaces one with (1.38's iptables-wrappers).
+mapfile -t kube_files < <(module_files "$kube_mod")
+mapfile -t etcd_files < <(module_files "$etcd_mod")
 kube_stamp=$(stamp_for "kube-apiserver $kube_version $kube_ldflags" \
-    "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+    "${kube_files[@]}" "$repo_root/hack/testbin/lib.sh")
 if ! want kube-apiserver; then
     :
 elif is_current kube-apiserver "$kube_stamp"; then
@@ -99,7 +110,7 @@ fi
 # it, so go.sum covers it) at the same version as the server it talks to.
 t_stage=$(date +%s.%N)
 kubectl_stamp=$(stamp_for "kubectl $kube_version $kube_ldflags" \
-    "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+    "${kube_files[@]}" "$repo_root/hack/testbin/lib.sh")
 if ! want kubectl; then
     :
 elif is_current kubectl "$kubectl_stamp"; then
@@ -112,7 +123,7 @@ else
 fi
 
 etcd_stamp=$(stamp_for "etcd $etcd_version $etcd_ldflags" \
-    "$etcd_mod/go.mod" "$etcd_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+    "${etcd_files[@]}" "$repo_root/hack/testbin/lib.sh")
 if ! want etcd; then
     :
 elif is_current etcd "$etcd_stamp"; then
@@ -130,7 +141,7 @@ for name in "${kube_node_bins[@]}"; do
     want "$name" || continue
     t_stage=$(date +%s.%N)
     stamp=$(stamp_for "$name $kube_version $kube_ldflags" \
-        "$kube_mod/go.mod" "$kube_mod/go.sum" "$repo_root/hack/testbin/lib.sh")
+        "${kube_files[@]}" "$repo_root/hack/testbin/lib.sh")
     if is_current "$name" "$stamp"; then
         log "$name $kube_version: up to date"
     else

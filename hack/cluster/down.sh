@@ -5,7 +5,11 @@
 # the network namespaces (with every iptables rule the kubelet made in them),
 # removes the kubelet's cgroups, restores the kernel settings the kubelet
 # changed, and removes every file and directory it created. The logs of the
-# run are kept in .cache/cluster/last-logs. Safe to run with nothing up.
+# run are kept in .cache/cluster/last-logs, the last run's only: the daemons'
+# (<name>.log) and the pods', the agent's among them, as the kubelet wrote them
+# (pods/<namespace>_<pod>_<uid>/<container>/<n>.log, with containers/ holding
+# /var/log/containers' links to them), so that a failed end-to-end test can be
+# looked into afterwards. Safe to run with nothing up.
 #
 # usage: hack/cluster/down.sh [--quiet] [--if-stale]
 #   --if-stale  only a cluster none of whose processes is alive (left by a run
@@ -136,9 +140,32 @@ left=$(mounts_under)
 if [[ -n $left ]]; then
     die "still mounted, not removing files under them: $(echo "$left" | tr '\n' ' ')"
 fi
+# The pods' logs first, into $logs_dir: from the kubelet's podLogsDir ($run_dir/pod-logs, kubelet.sh) and from
+# /var/log/pods where the cluster made it (a directory that was there before holds no log of ours); each link of
+# /var/log/containers to one of them becomes a link to the copy in $logs_dir/containers. A /var/log/containers
+# that was there before keeps no link of ours (they would point at nothing once $run_dir is gone).
+pod_log_roots=("$run_dir/pod-logs")
+[[ " ${created[*]} " == *" /var/log/pods "* ]] && pod_log_roots+=(/var/log/pods)
+for root in "${pod_log_roots[@]}"; do
+    if [[ -d $root ]] && [[ -n $(ls -A -- "$root") ]]; then
+        mkdir -p "$logs_dir/pods"
+        cp -a -- "$root"/. "$logs_dir/pods/" || clog "cannot keep all the pod logs of $root"
+    fi
+done
+for link in /var/log/containers/*.log; do
+    [[ -L $link ]] || continue
+    target=$(readlink -- "$link")
+    for root in "${pod_log_roots[@]}"; do
+        [[ $target == "$root"/* ]] || continue
+        mkdir -p "$logs_dir/containers"
+        ln -sfn -- "../pods/${target#"$root"/}" "$logs_dir/containers/${link##*/}"
+        [[ " ${created[*]} " == *" /var/log/containers "* ]] || rm -f -- "$link"
+    done
+done
 for p in "${created[@]}"; do
     [[ -e $p ]] && rm -rf --one-file-system -- "$p"
 done
+# The last run's logs only: the run before's go.
 if [[ -d $logs_dir ]]; then
     rm -rf "$cache_dir/last-logs"
     mkdir -p "$cache_dir"

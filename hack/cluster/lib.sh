@@ -16,7 +16,8 @@ cache_dir=${CLUSTER_CACHE_DIR:-$repo_root/.cache/cluster}
 run_dir=${CLUSTER_RUN_DIR:-/run/gpu-node-agent-cluster}
 testbin_dir=${TESTBIN_DIR:-$repo_root/.cache/testbin}
 # The Kubernetes release: that of the running cluster (up.sh records it), else
-# $KUBE (make cluster KUBE=1.35), else the newest (hack/testbin/release.sh).
+# $KUBE (make cluster KUBE=1.35), else the default, the newest GA release pinned
+# (hack/testbin/release.sh).
 # shellcheck source=hack/testbin/release.sh
 source "$repo_root/hack/testbin/release.sh"
 if [[ -z ${KUBE:-} && -s $run_dir/kube-release ]]; then

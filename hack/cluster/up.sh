@@ -8,7 +8,8 @@
 #
 # usage: [KUBE=1.35] hack/cluster/up.sh [PRESET]
 #   PRESET  default dgx-h100 (make cluster PRESET=...)
-#   KUBE    the Kubernetes release, default the newest (make cluster KUBE=1.35)
+#   KUBE    the Kubernetes release, default hack/testbin/kube/default, the newest GA
+#           release pinned (make cluster KUBE=1.35; KUBE=1.38 for its beta)
 #   KUBELET_STATUS_S  the kubelet's nodeStatusUpdateFrequency in seconds (default 10, the kubelet's own): a
 #           device plugin's devices reach the Node's Allocatable at its next node status update
 #   KUBELET_SYNC_S    its syncFrequency in seconds (default 15): a failed DRA prepare is retried at the next sync
@@ -22,7 +23,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=hack/cluster/lib.sh
 source "$here/lib.sh"
-# A new cluster runs $KUBE or the newest release, whatever the last one ran.
+# A new cluster runs $KUBE or the default release, whatever the last one ran.
 cluster_release=$(kube_release) || exit 2
 kube_bin_dir=$testbin_dir/kube-$cluster_release
 

@@ -7,7 +7,10 @@ testbin_dir=${TESTBIN_DIR:-$repo_root/.cache/testbin}
 
 # The environment of the caller must not change what gets built: the go.mod
 # files and their committed go.sum decide every module version, and the same
-# flags everywhere let the harness reuse the kube-apiserver build cache.
+# flags everywhere let the harness reuse the kube-apiserver build cache. The Go
+# toolchain too: each build takes the one its module's go.mod names
+# (module_toolchain below), else this machine's own Go, never the caller's
+# GOTOOLCHAIN.
 export GOTOOLCHAIN=local
 export GOFLAGS="-mod=readonly -trimpath"
 export GOWORK=off
@@ -47,7 +50,8 @@ lock_testbin() {
     fi
 }
 
-# The stamp of a binary names everything that decides its bytes.
+# The stamp of a binary names everything that decides its bytes (the Go
+# toolchain a go.mod names is in that go.mod, and how it is chosen in lib.sh).
 # usage: stamp_for LABEL FILE...
 stamp_for() {
     local label=$1
@@ -67,6 +71,52 @@ is_current() {
         [[ $(<"$testbin_dir/$name.stamp") == "$stamp" ]]
 }
 
+# The Go toolchain a module builds with: the `toolchain goX.Y.Z` line of its
+# go.mod where it has one (a Kubernetes release whose sources need a newer Go
+# than this machine's: 1.38 says `go 1.27.0` and `toolchain go1.27.3`), else
+# this machine's own Go (local). GOTOOLCHAIN=goX.Y.Z makes the go command fetch
+# exactly that release from the module proxy (golang.org/toolchain, about 76 MB,
+# checked against the checksum database) into the module cache, once per
+# machine, and run it; nothing else picks a toolchain. A go.mod that needs a
+# newer Go than this machine's and names none is refused here, saying so.
+# usage: module_toolchain MODULE_DIR
+module_toolchain() {
+    local gomod=$1/go.mod toolchain need have
+    toolchain=$(awk '$1 == "toolchain" { print $2; exit }' "$gomod")
+    if [[ -n $toolchain ]]; then
+        if [[ ! $toolchain =~ ^go1\.[0-9]+\.[0-9]+$ ]]; then
+            log "$gomod: 'toolchain $toolchain' is not an exact Go release such as go1.27.3"
+            return 1
+        fi
+        echo "$toolchain"
+        return
+    fi
+    need=$(awk '$1 == "go" { print $2; exit }' "$gomod")
+    have=$(GOTOOLCHAIN=local "$go_bin" env GOVERSION)
+    have=${have#go}
+    if [[ -n $need && $(printf '%s\n' "$need" "$have" | sort -V | tail -n1) != "$have" ]]; then
+        log "$gomod needs go >= $need and names no toolchain, and this machine's Go is $have:" \
+            "add a line 'toolchain go<version>' to it"
+        return 1
+    fi
+    echo local
+}
+
+# The files of a module that decide its build besides lib.sh: go.mod, go.sum,
+# and every file of the directories its go.mod replaces modules with (a module
+# the proxy does not serve, kept in the repository: hack/testbin/kube/1.38/
+# iptables-wrappers), sorted so the stamp is stable.
+# usage: module_files MODULE_DIR
+module_files() {
+    local moddir=$1 dir
+    printf '%s\n' "$moddir/go.mod" "$moddir/go.sum"
+    # `replace X => ./dir` or, in a replace block, `X => ./dir` (or ../dir).
+    awk '{ for (i = 1; i < NF; i++) if ($i == "=>" && $(i + 1) ~ /^\.\.?\//) print $(i + 1) }' "$moddir/go.mod" |
+        while read -r dir; do
+            find "$moddir/${dir#./}" -type f \( -name '*.go' ! -name '*_test.go' -o -name go.mod -o -name go.sum \)
+        done | LC_ALL=C sort
+}
+
 # Seconds since an earlier `date +%s.%N`, one decimal.
 elapsed() {
     awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
@@ -83,13 +133,17 @@ go_build_into() {
     cleanup_files+=("$tmp")
     rm -f "$testbin_dir/$name.stamp"
 
-    local t0
+    local toolchain t0
+    toolchain=$(module_toolchain "$moddir")
     t0=$(date +%s.%N)
-    (cd "$moddir" && "$go_bin" list -deps "$pkg" >/dev/null)
+    if [[ $toolchain != local ]]; then
+        log "$name: Go $toolchain, as ${moddir#"$repo_root"/}/go.mod says (fetched from the module proxy once per machine)"
+    fi
+    (cd "$moddir" && GOTOOLCHAIN=$toolchain "$go_bin" list -deps "$pkg" >/dev/null)
     log "$name: modules ready in $(elapsed "$t0") s"
 
     t0=$(date +%s.%N)
-    (cd "$moddir" && "$go_bin" build -o "$tmp" "$@" "$pkg")
+    (cd "$moddir" && GOTOOLCHAIN=$toolchain "$go_bin" build -o "$tmp" "$@" "$pkg")
     mv -f "$tmp" "$testbin_dir/$name"
     log "$name: compiled in $(elapsed "$t0") s"
     printf '%s\n' "$stamp" >"$testbin_dir/$name.stamp"

@@ -40,7 +40,7 @@ from dra_mode import (
 from tests.releases import on_by_default, release_name
 
 pytestmark = [pytest.mark.timeout(600)]
-# Not marked `matrix`: make test runs it on the newest release only. On a release without DRAConsumableCapacity by
+# Not marked `matrix`: make test runs it on the default release only. On a release without DRAConsumableCapacity by
 # default the module checks the fallback (GPU 0 as its replicas) and skips the claims.
 
 KUSTOMIZATION = RUN_DIR / "kustomize-capacity"

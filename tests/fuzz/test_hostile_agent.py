@@ -110,14 +110,22 @@ async def test_a_switch_to_dra_whose_sockets_do_not_fit_is_refused_at_reload_as_
     try:
         kubelet_dir = top / ("k" * 20) / "device-plugins"
         kubelet_dir.mkdir(parents=True)
-        driver = "gpu." + "d" * 55 + ".io"  # 62 characters: a valid driver name whose sockets do not fit here
-        socket = kubelet_dir.parent / "plugins_registry" / f"{driver}-reg.sock"
+        root = kubelet_dir.parent
+        # Its registration socket would fit as this agent, without POD_UID, names it (<root>/plugins_registry/
+        # gpu.example.com-reg.sock, 79 bytes), but not with the Pod UID the next rolling update gives it.
+        driver = "gpu.example.com"
+        assert len(str(root / "plugins_registry" / f"{driver}-reg.sock")) == len(str(root)) + 42 < 107
         message = await reload_refused(tmp_path, f"version: v1\ndra:\n  enabled: true\n  driverName: {driver}\n",
                                        directory=kubelet_dir)
     finally:
         shutil.rmtree(top, ignore_errors=True)
-    assert message == (f"config reload rejected: DRA socket {socket} is {len(str(socket))} bytes long: a socket path "
-                       "holds at most 107 bytes (use a shorter dra.driverName or kubelet directory)")
+    # <root>/plugins_registry/<driver>-<36-character UID>-reg.sock: the root, 18 + 1 + 36 + 9 bytes and the name.
+    fits, length = 107 - len(str(root)) - 64, len(str(root)) + 64 + len(driver)
+    assert message == (
+        f"config reload rejected: dra.driverName {driver} is 15 characters, and at most {fits} fit under {root}: "
+        f"with the agent Pod's UID in its name (as in a rolling update), its socket "
+        f"{root}/plugins_registry/{driver}-<pod-uid>-reg.sock would be {length} bytes long, and a socket path holds "
+        f"at most 107 (use a dra.driverName of at most {fits} characters, or a shorter kubelet directory)")
 
 
 async def test_a_machine_type_file_that_is_a_fifo_is_not_waited_on(tmp_path: Path, kubelet_dir: Path) -> None:

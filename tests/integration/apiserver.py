@@ -379,6 +379,15 @@ class ApiServer:
         info = k8s.VersionApi(self.admin_client()).get_code()
         return int(info.major), int(str(info.minor).rstrip("+"))
 
+    def behaves_as(self) -> tuple[int, int]:
+        """(major, minor) of the release the running kube-apiserver behaves as: the release it emulates
+        (`--emulated-version`; /version's emulationMajor and emulationMinor), else its own. What a test asks of a
+        server started with a gate off that its release locked on (dra_rig.GatedApiServer)."""
+        info = k8s.VersionApi(self.admin_client()).get_code()
+        if info.emulation_major and info.emulation_minor:
+            return int(info.emulation_major), int(str(info.emulation_minor).rstrip("+"))
+        return int(info.major), int(str(info.minor).rstrip("+"))
+
     def node_client(self, node: str) -> k8s.ApiClient:
         """A client with the identity a kubelet on `node` has (system:node:<node>, group system:nodes)."""
         pair = self._pki.issue(f"node-{node}", f"/O=system:nodes/CN=system:node:{node}")

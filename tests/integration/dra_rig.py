@@ -23,6 +23,7 @@ from agent.config import parse_config
 from agent.kube.node import NodeApi
 from agent.nvml.fake import FakeNvml
 from tests.plugin_harness import running_agent, short_dir
+from tests.releases import emulation_to_turn_off, gates_turned_off, release_name
 
 DRIVER = "gpu.gpu-node-agent.io"
 DEVICE_CLASS = "gpu.gpu-node-agent.io"
@@ -57,12 +58,24 @@ AGENT_RULES = [
 
 class GatedApiServer(ApiServer):
     """The rig's etcd and kube-apiserver with `--feature-gates=<gates>` (e.g. "DRADeviceTaints=true") and,
-    when given, `--runtime-config=<runtime_config>` (an alpha API version a gated feature needs)."""
+    when given, `--runtime-config=<runtime_config>` (an alpha API version a gated feature needs).
 
-    def __init__(self, workdir: Path, gates: str, runtime_config: str = "") -> None:
+    Gates turned off that `release` (the rig's release, as its API server says: `apiserver.release()`) has locked
+    on are taken off by emulating the last release where each could be turned off (`--emulated-version`;
+    tests/releases.py, `emulation_to_turn_off`): the fallback a user of that release meets, never a skipped test.
+    `emulated` is that release, or None; `behaves_as()` asks the running server."""
+
+    def __init__(self, workdir: Path, gates: str, runtime_config: str = "",
+                 release: tuple[int, int] | None = None) -> None:
         super().__init__(workdir)
         self.gates = gates
         self.runtime_config = runtime_config
+        self.emulated: tuple[int, int] | None = None
+        if gates_turned_off(gates):
+            if release is None:
+                raise TypeError(f"GatedApiServer({gates!r}) turns gates off: pass the rig's release "
+                                "(apiserver.release()), which may have them locked on")
+            self.emulated = emulation_to_turn_off(gates, release)
 
     def _start_apiserver(self) -> None:
         import apiserver as rig
@@ -74,6 +87,8 @@ class GatedApiServer(ApiServer):
                 argv = [*argv, f"--feature-gates={self.gates}"]
                 if self.runtime_config:
                     argv.append(f"--runtime-config={self.runtime_config}")
+                if self.emulated is not None:
+                    argv.append(f"--emulated-version={release_name(self.emulated)}")
             return spawn(argv, log_path)
 
         rig._spawn = gated
@@ -84,11 +99,18 @@ class GatedApiServer(ApiServer):
 
 
 @contextlib.contextmanager
-def gated_apiserver(workdir: Path, gates: str, runtime_config: str = "") -> Iterator[GatedApiServer]:
-    """A started GatedApiServer, stopped on the way out whatever happened."""
-    rig = GatedApiServer(workdir, gates, runtime_config)
+def gated_apiserver(workdir: Path, gates: str, runtime_config: str = "",
+                    release: tuple[int, int] | None = None) -> Iterator[GatedApiServer]:
+    """A started GatedApiServer, stopped on the way out whatever happened. One that emulates an earlier release
+    is checked to say so in /version, and says so on the test's output."""
+    rig = GatedApiServer(workdir, gates, runtime_config, release)
     try:
         rig.start()
+        if rig.emulated is not None:
+            assert release is not None
+            assert rig.behaves_as() == rig.emulated, (rig.behaves_as(), rig.emulated)
+            print(f"Kubernetes {release_name(release)} locks on a gate of {gates}: the API server emulates "
+                  f"{release_name(rig.emulated)} (--emulated-version={release_name(rig.emulated)})")
         yield rig
     finally:
         rig.stop()
@@ -97,7 +119,8 @@ def gated_apiserver(workdir: Path, gates: str, runtime_config: str = "") -> Iter
 @dataclass
 class ControlPlane:
     """kube-scheduler and kube-controller-manager, each in its own process group, with the admin identity
-    (and `feature_gates` on both, when given)."""
+    (and `feature_gates` on both, when given, with `--emulated-version` where they turn off a gate the release
+    locked on)."""
 
     apiserver: ApiServer
     workdir: Path
@@ -111,6 +134,11 @@ class ControlPlane:
         end of the log of one that exited."""
         kubeconfig = str(self.apiserver.kubeconfig_path)
         gates = [f"--feature-gates={self.feature_gates}"] if self.feature_gates else []
+        # A gate turned off that the release locked on: emulate the last release that could (as GatedApiServer).
+        if gates_turned_off(self.feature_gates):
+            emulated = emulation_to_turn_off(self.feature_gates, self.apiserver.release())
+            if emulated is not None:
+                gates.append(f"--emulated-version={release_name(emulated)}")
         started = [
             ("kube-scheduler", "Starting Kubernetes Scheduler", [
                 "--leader-elect=false", "--secure-port=0", "--v=2", *gates]),
@@ -294,15 +322,18 @@ async def dra_agent(apiserver: ApiServer, kubeconfig: Path, node: str, preset: s
                     fake: FakeNvml | None = None, keep: bool = False, config: str = "", dra: str = "",
                     recovery_checks: int = 15) -> AsyncIterator[tuple[Agent, FakeNvml]]:
     """The agent in DRA mode on a simulated node, for a schedulable Node `node` made for it (unless `keep`
-    and it exists). Under `root` (a fresh short directory by default): the kubelet's directory
-    (kubelet/device-plugins, kubelet/plugins_registry, kubelet/plugins/<driver>/) and the CDI directory (cdi).
+    and it exists). `root` (a fresh short directory by default) is the kubelet's root (device-plugins,
+    plugins_registry, plugins/<driver>/), as long as /var/lib/kubelet, so that the DRA sockets with a Pod UID in
+    their names would fit as on a node (the agent refuses a driver name whose sockets could not:
+    agent/checks.py, check_dra_sockets); the CDI directory (cdi), the MIG state and the PodResources socket are
+    there too.
     `config` adds top-level sections to the agent's config, `dra` keys to its dra section (", dynamicMig: true").
     Health is sampled every 0.1 s, and a fault ends after `recovery_checks` clean samples (1.5 s by default: long
     enough for a test to see what the fault did before it ends by itself)."""
     if not (keep and await asyncio.to_thread(node_exists, apiserver, node)):
         await asyncio.to_thread(create_schedulable_node, apiserver, node)
     directory = root or short_dir()
-    kubelet_dir = directory / "kubelet" / "device-plugins"
+    kubelet_dir = directory / "device-plugins"
     kubelet_dir.mkdir(parents=True, exist_ok=True)
     in_force = parse_config(f"version: v1\ndra: {{enabled: true, cdiRoot: {directory}/cdi{dra}}}\n"
                             f"mig: {{stateDir: {directory}/state, podResourcesSocket: {directory}/pr.sock}}\n"

@@ -59,9 +59,11 @@ def scheduler(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="module")
-def without_capacity(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
-    """An API server that drops consumable capacity (DRAConsumableCapacity off), whatever its release's default."""
-    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), "DRAConsumableCapacity=false") as rig:
+def without_capacity(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops consumable capacity (DRAConsumableCapacity off), whatever its release's default
+    (GA in 1.38 but not locked; a release that locks it emulates the last that could turn it off)."""
+    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), "DRAConsumableCapacity=false",
+                         release=apiserver.release()) as rig:
         setup_cluster(rig)
         yield rig
 
@@ -140,7 +142,7 @@ async def test_claims_share_an_mps_gpu_by_memory_and_compute_with_exactly_their_
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     caplog.set_level(logging.INFO, logger="agent.dra.publisher")
     config, mps_root = mps_config(root), root / "mps"
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     release = apiserver.release()
     capacity = on_by_default("DRAConsumableCapacity", release)
     print(f"Kubernetes {release_name(release)}: DRAConsumableCapacity {'on' if capacity else 'off'} by default")

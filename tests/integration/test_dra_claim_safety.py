@@ -80,7 +80,7 @@ class Node:
                                            else "dra: {enabled: true}\n")
         self.bus = StateBus(NodeState(version=1, inventory=self.backend.inventory(), config=parse_config(text)))
         self.api = ApiClaims()
-        self.paths = Paths.under(directory / "kubelet", DRIVER, directory / "cdi")
+        self.paths = Paths.under(directory, DRIVER, directory / "cdi")
         self.dynamic_mig = dynamic_mig
         self._pool = ThreadPoolExecutor(1)
 

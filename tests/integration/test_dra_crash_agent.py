@@ -74,8 +74,8 @@ class Agent:
         self.config.write_text(yaml.safe_dump({"version": "v1", "dra": {
             "enabled": True, "dynamicMig": True, "cdiRoot": str(directory / "cdi")}, "mig": {
             "stateDir": str(directory / "state"), "podResourcesSocket": str(directory / "pr.sock")}}))
-        self.endpoint = directory / "kubelet" / "plugins" / DRIVER / "dra.sock"
-        self.checkpoint = directory / "kubelet" / "plugins" / DRIVER / "checkpoint.json"
+        self.endpoint = directory / "plugins" / DRIVER / "dra.sock"
+        self.checkpoint = directory / "plugins" / DRIVER / "checkpoint.json"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = directory / "agent.log"
         self.since = 0
@@ -85,12 +85,12 @@ class Agent:
         env = {k: v for k, v in os.environ.items() if not k.startswith("POD_") and k != CRASH_AFTER_ENV}
         if crash_after is not None:
             env[CRASH_AFTER_ENV] = str(crash_after)
-        (self.directory / "kubelet" / "device-plugins").mkdir(parents=True, exist_ok=True)
+        (self.directory / "device-plugins").mkdir(parents=True, exist_ok=True)
         self.since = len(self.lines())
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [*AGENT, "run", "--kubeconfig", str(self.kubeconfig), "--node-name", NODE, "--nvml", "mock:dgx-h100",
-                 "--mock-state", str(self.state), "--kubelet-dir", str(self.directory / "kubelet" / "device-plugins"),
+                 "--mock-state", str(self.state), "--kubelet-dir", str(self.directory / "device-plugins"),
                  "--metrics-port", "0", "--kube-start-jitter", "0", "--config", str(self.config)],
                 stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
 

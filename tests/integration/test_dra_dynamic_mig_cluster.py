@@ -61,7 +61,7 @@ from tests.releases import SPLIT_COUNTERS_FROM, on_by_default, release_name
 pytestmark = [pytest.mark.testbin, pytest.mark.matrix]
 
 GATES = "DRAPartitionableDevices=true"
-UNGATED = "DRAPartitionableDevices=false"  # beta in 1.36 and 1.37: still a gate that can be turned off
+UNGATED = "DRAPartitionableDevices=false"  # beta in 1.36 and 1.37; locked on from 1.38: there the server emulates 1.37
 
 
 def slice_names(release: tuple[int, int], node: str) -> list[str]:
@@ -84,9 +84,11 @@ def counters_and_placements(release: tuple[int, int], node: str, found: dict[str
 
 
 @pytest.fixture(scope="module")
-def unpartitionable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
-    """An API server that drops shared counters (DRAPartitionableDevices off), whatever its release's default."""
-    with gated_apiserver(tmp_path_factory.mktemp("unpartitionable-apiserver"), UNGATED) as rig:
+def unpartitionable(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops shared counters (DRAPartitionableDevices off), whatever its release's default;
+    where the release locked the gate on (1.38), emulating the last release that could turn it off (1.37)."""
+    with gated_apiserver(tmp_path_factory.mktemp("unpartitionable-apiserver"), UNGATED,
+                         release=apiserver.release()) as rig:
         setup_cluster(rig)
         yield rig
 
@@ -137,7 +139,7 @@ class Node:
         kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
         api = await NodeApi.connect(kubeconfig, name)
         node.slices = SliceApi.sharing(api)
-        paths = Paths.under(directory / "kubelet", DRIVER, directory / "cdi")
+        paths = Paths.under(directory, DRIVER, directory / "cdi")
         node.dynamic = DynamicMig(node.backend, node.nvml, ClaimStore(paths, DRIVER))
         await node.dynamic.load_profiles(node.bus.current)
         node.publisher = DynamicSlicePublisher(node.slices, node.bus, name, DRIVER, node.dynamic)
@@ -230,7 +232,7 @@ async def test_a_placement_taken_outside_the_agent_fails_the_claim_in_one_line(
 async def test_without_the_gate_the_agent_says_so_and_publishes_the_layout(
         unpartitionable: GatedApiServer, caplog: pytest.LogCaptureFixture) -> None:
     apiserver = unpartitionable
-    counters_slice = slice_names(apiserver.release(), "dyn-mig-ungated")[1]
+    counters_slice = slice_names(apiserver.behaves_as(), "dyn-mig-ungated")[1]
     caplog.set_level(logging.INFO, logger="agent.dra.dynamic")
     async with Node.running(apiserver, "dyn-mig-ungated") as node:
         assert await node.publisher.sync(node.bus.current)

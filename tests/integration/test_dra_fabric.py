@@ -115,14 +115,14 @@ def rack(apiserver: ApiServer, kubeconfig: Path, trays: dict[str, str]) -> Itera
         for name, node_file in trays.items():
             create_schedulable_node(apiserver, name)
             directory = directories[name] = short_dir()
-            (directory / "kubelet" / "device-plugins").mkdir(parents=True)
+            (directory / "device-plugins").mkdir(parents=True)
             (directory / "node.yaml").write_text(node_file)
             (directory / "config.yaml").write_text(
                 f"version: v1\n{IMEX}mig: {{stateDir: {directory}/state, podResourcesSocket: {directory}/pr.sock}}\n"
                 f"dra: {{enabled: true, cdiRoot: {directory}/cdi}}\n")
             procs.append(_spawn([*AGENT, "run", "--nvml", f"mock:{directory}/node.yaml",
                                  "--config", str(directory / "config.yaml"),
-                                 "--kubelet-dir", str(directory / "kubelet" / "device-plugins"),
+                                 "--kubelet-dir", str(directory / "device-plugins"),
                                  "--node-name", name, "--kubeconfig", str(kubeconfig), "--metrics-port", "0"],
                                 directory / "agent.log"))
         yield directories

@@ -1,5 +1,6 @@
 """Unhealthy GPUs in DRA mode, against the real kube-apiserver: where the DRADeviceTaints feature gate is off
-(by default up to 1.35; turned off by hand on a later release) the API server drops device taints, so the agent
+(by default up to 1.35; turned off by hand on 1.36 and 1.37, and on 1.38, which locked it on, by emulating 1.37
+with --emulated-version) the API server drops device taints, so the agent
 withdraws unhealthy devices from its ResourceSlice; where it is on (by default from 1.36; turned on by hand on
 1.35, with the real kube-scheduler gated the same way) they stay in with a taint the scheduler honours. Either way
 a recovered GPU comes back without a restart. The kubelet's health stream (DRAResourceHealth/NodeWatchResources
@@ -44,7 +45,7 @@ from tests.releases import on_by_default, release_name
 pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
 
 GATES = "DRADeviceTaints=true"
-UNGATED = "DRADeviceTaints=false,DRADeviceTaintRules=false"  # not locked in any supported release (GA in 1.37)
+UNGATED = "DRADeviceTaints=false,DRADeviceTaintRules=false"  # locked on from 1.38: there the server emulates 1.37
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,10 @@ def tainting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServe
 
 
 @pytest.fixture(scope="module")
-def untainting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
-    """An API server that drops device taints (DRADeviceTaints off), whatever its release's default."""
-    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), UNGATED) as rig:
+def untainting(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedApiServer]:
+    """An API server that drops device taints (DRADeviceTaints off), whatever its release's default; where the
+    release locked the gates on (1.38), emulating the last release that could turn them off (1.37)."""
+    with gated_apiserver(tmp_path_factory.mktemp("ungated-apiserver"), UNGATED, release=apiserver.release()) as rig:
         setup_cluster(rig)
         yield rig
 
@@ -217,7 +219,7 @@ async def test_the_health_stream_reports_every_device_and_follows_an_xid_and_the
     root = short_dir()
     try:
         async with dra_agent(apiserver, kubeconfig, "dra-stream", "a100-pcie-nvlink-pairs", root=root) as (_, fake):
-            endpoint = root / "kubelet" / "plugins" / "gpu.gpu-node-agent.io" / "dra.sock"
+            endpoint = root / "plugins" / "gpu.gpu-node-agent.io" / "dra.sock"
             async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
                 # What the kubelet calls when ResourceHealthStatus is on: one stream, kept open.
                 stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(

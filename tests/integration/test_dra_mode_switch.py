@@ -50,7 +50,7 @@ async def test_a_reload_switches_to_dra_and_back_offering_only_what_pods_do_not_
               f"dra: {{cdiRoot: {folder}/cdi, enabled: ")
     path = folder / "config.yaml"
     path.write_text(common + "false}\n")
-    kubelet_dir = folder / "kubelet" / "device-plugins"
+    kubelet_dir = folder / "device-plugins"
     kubelet_dir.mkdir(parents=True)
     await asyncio.to_thread(create_schedulable_node, apiserver, NODE)
     try:
@@ -106,9 +106,9 @@ async def test_an_agent_started_in_device_plugin_mode_with_prepared_claims_unpre
     the kubelet unprepared it."""
     config = parse_config(f"version: v1\nmig: {{stateDir: {folder}/state, podResourcesSocket: {folder}/pr.sock}}\n"
                           f"dra: {{cdiRoot: {folder}/cdi}}\n")
-    kubelet_dir = folder / "kubelet" / "device-plugins"
+    kubelet_dir = folder / "device-plugins"
     kubelet_dir.mkdir(parents=True)
-    paths = Paths.under(folder / "kubelet", DRIVER, folder / "cdi")
+    paths = Paths.under(folder, DRIVER, folder / "cdi")
     paths.lock.mkdir(parents=True)
     paths.cdi_dir.mkdir(parents=True)
     store = ClaimStore(paths, DRIVER)

@@ -82,8 +82,8 @@ def devices_of(response: v1.NodePrepareResourceResponse | v1beta1.NodePrepareRes
 async def test_registration_prepare_unprepare_and_a_restart_in_between(
         apiserver: ApiServer, scheduler: ControlPlane, root: Path, caplog: pytest.LogCaptureFixture) -> None:
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-    registration = root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    registration = root / "plugins_registry" / f"{DRIVER}-reg.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     spec_file = root / "cdi"
     custom = k8s.CustomObjectsApi(apiserver.admin_client())
     try:
@@ -171,7 +171,7 @@ async def test_registration_prepare_unprepare_and_a_restart_in_between(
                 claims=[v1beta1.Claim(namespace=NAMESPACE, uid=uid, name="train")]), timeout=10)
             assert gone.claims[uid].error == ""
             assert not written.exists()
-            checkpoint = json.loads((root / "kubelet" / "plugins" / DRIVER / "checkpoint.json").read_text())
+            checkpoint = json.loads((root / "plugins" / DRIVER / "checkpoint.json").read_text())
             assert checkpoint == {"version": 2, "claims": {},  # the SHA-256 of "{}"
                                   "checksum": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"}
             # Unprepared already: still a success.
@@ -190,7 +190,7 @@ async def test_a_mig_device_claim_is_allocated_and_prepared(
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
     fake = FakeNvml(load_node("dgx-h100"))
     carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     async with dra_agent(apiserver, kubeconfig, "dra-mig", "dgx-h100", root=root, fake=fake) as (agent, _):
         migs = {m.placement_start: m for m in agent.backend.inventory().mig_devices}
         first = f"gpu-7-mig-{migs[0].gpu_instance_id}-{migs[0].compute_instance_id}"
@@ -235,7 +235,7 @@ async def test_opaque_config_of_the_class_and_the_claim_reaches_the_containers_a
     await asyncio.to_thread(custom.create_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses", {
         "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": ENV_CLASS},
         "spec": {**whole_gpus["spec"], "config": [{"opaque": gpu_config(MODE="class", FROM_CLASS="1")}]}})
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     try:
         async with dra_agent(apiserver, kubeconfig, "dra-config", "a100-pcie-nvlink-pairs", root=root):
             await asyncio.to_thread(create_claim, apiserver, "tuned", {"devices": {
@@ -293,7 +293,7 @@ async def test_time_sliced_replicas_go_to_claims_of_two_namespaces_and_each_sees
                  lambda: core.create_namespaced_service_account(OTHER_NAMESPACE, {"metadata": {"name": "default"}})):
         with contextlib.suppress(k8s.ApiException):
             await asyncio.to_thread(make)
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     sharing = "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, devices: [0]}]}}\n"
     try:
         async with dra_agent(apiserver, kubeconfig, "dra-shared", "a100-pcie-nvlink-pairs", root=root,
@@ -363,7 +363,7 @@ async def test_mps_replicas_of_one_gpu_make_one_client_and_a_mixed_claim_is_refu
     shutil.copy(MPS_STAND_IN, driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
     config = (f"flags: {{mpsRoot: {mps_root}, plugin: {{containerDriverRoot: {driver_root}}}}}\n"
               "sharing: {mps: {resources: [{name: nvidia.com/gpu, replicas: 4, devices: [0]}]}}\n")
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     mps_share = {"deviceClassName": SHARED_CLASS, "selectors": [
         {"cel": {"expression": f"device.attributes['{DRIVER}'].sharing == 'mps'"}}]}
     try:
@@ -420,7 +420,7 @@ async def test_a_mig_label_waits_for_the_gpus_a_prepared_claim_holds(
     """The MIG manager counts the devices of prepared claims as held: the kubelet's PodResources API lists only
     the device plugin's, so without them a relabel would re-partition GPUs a running pod has."""
     kubeconfig = apiserver.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
-    endpoint = root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+    endpoint = root / "plugins" / DRIVER / "dra.sock"
     core = k8s.CoreV1Api(apiserver.admin_client())
     async with dra_agent(apiserver, kubeconfig, "dra-mig-busy", "a100-pcie-nvlink-pairs", root=root) as (agent, _):
         await asyncio.to_thread(create_claim, apiserver, "held", ON_ONE_PAIR)

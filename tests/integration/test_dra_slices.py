@@ -239,8 +239,8 @@ async def test_first_available_falls_back_to_any_two(
 async def test_whole_gpus_leave_the_device_plugin_and_mig_devices_stay(
         apiserver: ApiServer, dra_kubeconfig: Path) -> None:
     root = short_dir()
-    kubelet = StandInKubelet(root / "kubelet" / "device-plugins")
-    (root / "kubelet" / "device-plugins").mkdir(parents=True)
+    kubelet = StandInKubelet(root / "device-plugins")
+    (root / "device-plugins").mkdir(parents=True)
     await kubelet.start()
     fake = FakeNvml(load_node("dgx-h100"))
     carve_mig(fake, 7, [("3g.40gb", 0), ("3g.40gb", 4)])

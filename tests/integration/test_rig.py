@@ -47,24 +47,30 @@ def scratch_node(core: k8s.CoreV1Api) -> Iterator[str]:
 
 def test_server_reports_the_pinned_version(apiserver: ApiServer) -> None:
     pinned = pinned_versions()["kube-apiserver"]
-    release = kube_release()  # KUBE, or the newest release pinned
-    assert re.fullmatch(rf"v{re.escape(release)}\.\d+", pinned), pinned
+    release = kube_release()  # KUBE, or the default release (hack/testbin/kube/default)
+    # A GA patch release (v1.37.2) or, for a release pinned before its .0, a pre-release (v1.38.0-beta.0).
+    assert re.fullmatch(rf"v{re.escape(release)}\.\d+(-(alpha|beta|rc)\.\d+)?", pinned), pinned
     info = k8s.VersionApi(apiserver.admin_client()).get_code()
     assert info.git_version == pinned
     assert f"{info.major}.{info.minor}" == release
     assert apiserver.release() == tuple(int(x) for x in release.split("."))
+    assert apiserver.behaves_as() == apiserver.release()  # the rig's own server emulates nothing
 
 
-def test_without_kube_the_rig_is_the_newest_release_and_each_release_has_its_own_binaries() -> None:
+def test_without_kube_the_rig_is_the_default_release_and_each_release_has_its_own_binaries() -> None:
     out = subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True,
                          check=True, env={k: v for k, v in os.environ.items() if k != "KUBE"}).stdout
-    assert out.splitlines()[0] == "kube-apiserver v1.37.2"
+    assert out.splitlines()[0] == "kube-apiserver v1.37.2"  # the newest GA release, not 1.38's beta
+    beta = subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True,
+                          check=True, env={**os.environ, "KUBE": "1.38"}).stdout
+    assert beta.splitlines()[:3] == ["kube-apiserver v1.38.0-beta.0", "kubectl v1.38.0-beta.0", "etcd v3.7.4"]
     dirs = {r: subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-dir"], capture_output=True, text=True,
                               check=True, env={**os.environ, "KUBE": r}).stdout.strip() for r in ("1.35", "1.37")}
     assert {r: Path(d).name for r, d in dirs.items()} == {"1.35": "kube-1.35", "1.37": "kube-1.37"}
     refused = subprocess.run(["bash", str(TESTBIN_SCRIPT), "--print-versions"], capture_output=True, text=True,
                              check=False, env={**os.environ, "KUBE": "1.34"})
-    assert (refused.returncode, refused.stderr) == (2, "KUBE=1.34: no such release here (known: 1.35 1.36 1.37)\n")
+    assert (refused.returncode, refused.stderr) == (
+        2, "KUBE=1.34: no such release here (known: 1.35 1.36 1.37 1.38)\n")
 
 
 def test_fixture_nodes_exist(core: k8s.CoreV1Api) -> None:

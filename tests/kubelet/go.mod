@@ -1,6 +1,7 @@
 // The kubelet conformance harness for the device plugin, and a stand-in
 // plugin for its self-test. It builds the kubelet's own device manager, so it
-// pins k8s.io/kubernetes like hack/testbin/kube/1.37 (the newest release) does, with the same replace
+// pins k8s.io/kubernetes like hack/testbin/kube/1.37 (the default release, hack/testbin/kube/default;
+// tests/unit/test_releases.py checks it) does, with the same replace
 // lines (k8s.io/kubernetes points its staging modules at ./staging).
 module gpu-node-agent/tests/kubelet
 

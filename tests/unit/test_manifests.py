@@ -550,7 +550,7 @@ def test_dra_mode_rolls_the_new_agent_in_beside_the_old_one_with_its_pod_uid() -
 
 
 def test_dra_sockets_with_a_pod_uid_fit_a_unix_socket_path() -> None:
-    from agent.checks import SOCKET_PATH_MAX, StartupError, check_dra_sockets
+    from agent.checks import SOCKET_PATH_MAX, check_dra_sockets, longest_dra_driver_name
     from agent.dra.claims import Paths
 
     uid = "0f4c2a9e-3b7d-4e21-9c55-6a1d8e2b7f30"  # a Pod UID: 36 characters
@@ -560,14 +560,36 @@ def test_dra_sockets_with_a_pod_uid_fit_a_unix_socket_path() -> None:
     assert str(paths.lock) == "/var/lib/kubelet/plugins/gpu.gpu-node-agent.io"  # flocked itself: no lock file
     # 34 + 21 + 1 + 36 + 9 and 25 + 21 + 5 + 36 + 5 bytes: 6 to spare under AF_UNIX's 107.
     assert (len(str(paths.registration)), len(str(paths.endpoint)), SOCKET_PATH_MAX) == (101, 92, 107)
-    check_dra_sockets(paths.registration, paths.endpoint)
-    # A driver name 9 characters longer leaves no room (110 bytes): refused at start, naming the socket.
-    longer = Paths.under(Path("/var/lib/kubelet"), "gpu.gpu-node-agent.example.com", Path("/var/run/cdi"), uid)
-    with pytest.raises(StartupError) as refused:
-        check_dra_sockets(longer.registration, longer.endpoint)
-    assert str(refused.value) == (
-        f"DRA socket /var/lib/kubelet/plugins_registry/gpu.gpu-node-agent.example.com-{uid}-reg.sock is 110 bytes long"
-        ": a socket path holds at most 107 bytes (use a shorter dra.driverName or kubelet directory)")
+    check_dra_sockets(Path("/var/lib/kubelet"), "gpu.gpu-node-agent.io")
+    # The registration socket is the longer: 34 + name + 1 + 36 + 9 bytes <= 107 leaves 27 for the name.
+    assert longest_dra_driver_name(Path("/var/lib/kubelet")) == 27
+    check_dra_sockets(Path("/var/lib/kubelet"), "gpu." + "g" * 19 + ".com")  # 27 characters
+
+
+def test_a_dra_driver_name_whose_sockets_cannot_exist_is_refused_with_the_longest_that_fits() -> None:
+    from agent.checks import StartupError, check_dra_sockets
+
+    def refusal(root: str, driver: str) -> str:
+        with pytest.raises(StartupError) as refused:
+            check_dra_sockets(Path(root), driver)
+        return str(refused.value)
+
+    # 30 characters: 73 bytes without a Pod UID, which fits, but 110 with one, which the next rolling update
+    # gives the agent; refused whether or not this agent has POD_UID (the check takes none).
+    assert refusal("/var/lib/kubelet", "gpu.gpu-node-agent.example.com") == (
+        "dra.driverName gpu.gpu-node-agent.example.com is 30 characters, and at most 27 fit under /var/lib/kubelet: "
+        "with the agent Pod's UID in its name (as in a rolling update), its socket "
+        "/var/lib/kubelet/plugins_registry/gpu.gpu-node-agent.example.com-<pod-uid>-reg.sock would be 110 bytes "
+        "long, and a socket path holds at most 107 (use a dra.driverName of at most 27 characters, or a shorter "
+        "kubelet directory)")
+    assert refusal("/var/lib/kubelet", "gpu." + "g" * 20 + ".com").startswith(
+        "dra.driverName gpu.gggggggggggggggggggg.com is 28 characters, and at most 27 fit under /var/lib/kubelet: ")
+    # MicroK8s's kubelet root (41 bytes) leaves 2: no DRA driver name (at least a.b) fits there.
+    assert refusal("/var/snap/microk8s/common/var/lib/kubelet", "gpu.example.com") == (
+        "dra.driverName gpu.example.com is 15 characters, and no DRA driver name fits under "
+        "/var/snap/microk8s/common/var/lib/kubelet: with the agent Pod's UID in its name (as in a rolling update), "
+        "its socket /var/snap/microk8s/common/var/lib/kubelet/plugins_registry/gpu.example.com-<pod-uid>-reg.sock "
+        "would be 120 bytes long, and a socket path holds at most 107 (use a shorter kubelet directory)")
 
 
 def test_dra_mode_config_is_the_base_config_with_dra_enabled() -> None:
