@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import yaml
 
 from agent.config import AgentConfig, parse_config
 from agent.kube.reconciler import EVENT_REASONS, MIG_REASON_ANNOTATION, MIG_STATE_LABEL, TaintPolicy, node_intent
+from agent.mig.applier import MAX_JOURNAL_BYTES
 from agent.mig.controller import MigController
 from agent.nvml.backend import fake_backend
 from agent.nvml.fake import FakeNvml
@@ -163,3 +165,39 @@ def in_child(state_dir: Path, tmp: Path, label: str | None = None) -> dict[str, 
     return outcome
 
 
+# --- journals that cannot be one: each makes one at `path` and returns the reason the agent gives ----------
+
+
+def fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return "is a FIFO, not a regular file"
+
+
+def dev_zero(path: Path) -> str:
+    path.symlink_to("/dev/zero")
+    return "is a device, not a regular file"
+
+
+def directory(path: Path) -> str:
+    path.mkdir()
+    (path / "x").write_text("{}")
+    return "is a directory, not a regular file"
+
+
+def dangling(path: Path) -> str:
+    path.symlink_to("gone.json")
+    return "is a symbolic link to gone.json, which does not exist"
+
+
+def over_limit(path: Path) -> str:
+    # A journal naming a layout, padded past the bound: it is not read at all, not even its first bytes.
+    path.write_text(json.dumps({"layout": "all-balanced"}).ljust(MAX_JOURNAL_BYTES + 1))
+    return "larger than 64 KiB; not read"
+
+
+def invalid_json(path: Path) -> str:
+    path.write_text('{"layout": "all-balanced", "layouts_file": "built-in def')
+    return "not JSON: Unterminated string starting at (line 1, column 44)"
+
+
+JOURNAL_SHAPES = [fifo, dev_zero, directory, dangling, over_limit, invalid_json]

@@ -21,6 +21,7 @@ import yaml
 from agent.mig.applier import JOURNAL
 from agent.simulate import StandInKubelet
 from tests.faults.agent_process import collect_lines, free_port, http_get
+from tests.mig_rig import dev_zero, fifo
 from tests.plugin_harness import short_dir, wait_until
 
 RESOURCE = "nvidia.com/gpu"
@@ -33,16 +34,6 @@ CAPPED = [sys.executable, "-c", "import resource, runpy, sys; "
 safe in this process, where gRPC runs threads)."""
 MAX_RSS_KB = 300 * 1024
 """The most resident memory the agent may have used (it starts at about 65 MB on the fake dgx-h100)."""
-
-
-def fifo(path: Path) -> str:
-    os.mkfifo(path)
-    return "is a FIFO, not a regular file"
-
-
-def dev_zero(path: Path) -> str:
-    path.symlink_to("/dev/zero")
-    return "is a device, not a regular file"
 
 
 def peak_rss_kb(pid: int) -> int:

@@ -185,17 +185,6 @@ async def first_agent(kubelet_dir: Path) -> asyncio.subprocess.Process:
     return first
 
 
-async def test_a_second_agent_on_one_kubelet_dir_is_refused_naming_the_first(kubelet_dir: Path) -> None:
-    first = await first_agent(kubelet_dir)
-    try:
-        second = await asyncio.to_thread(run_agent, kubelet_dir)
-        assert one_line(second) == (f"gpu-agent run: error: another agent serves the kubelet directory "
-                                    f"{kubelet_dir}: pid {first.pid} holds the lock on {kubelet_dir}")
-    finally:
-        first.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(first.wait(), 15) == 0
-
-
 async def line_with(process: asyncio.subprocess.Process, text: str, timeout: float = 10) -> str:
     assert process.stderr is not None
     seen = []
@@ -209,14 +198,17 @@ async def line_with(process: asyncio.subprocess.Process, text: str, timeout: flo
     return line.rstrip("\n")
 
 
-async def test_a_replaced_kubelet_dir_is_locked_by_the_agent_before_a_second_one_comes(kubelet_dir: Path) -> None:
-    """The kubelet directory is removed and made again: the agent follows it, and takes its lock, so a second
-    agent started there is refused naming the first, as on the directory the first started on."""
+@pytest.mark.parametrize("replaced", [False, True], ids=["as-started", "replaced"])
+async def test_a_second_agent_on_the_kubelet_dir_is_refused_naming_the_first(kubelet_dir: Path,
+                                                                              replaced: bool) -> None:
+    """Also once the kubelet directory was removed and made again: the first agent follows it and takes its lock,
+    so a second one started there is refused as on the directory the first started on."""
     first = await first_agent(kubelet_dir)
     try:
-        shutil.rmtree(kubelet_dir)
-        kubelet_dir.mkdir()
-        await line_with(first, "was replaced; holding its lock now")
+        if replaced:
+            shutil.rmtree(kubelet_dir)
+            kubelet_dir.mkdir()
+            await line_with(first, "was replaced; holding its lock now")
         second = await asyncio.to_thread(run_agent, kubelet_dir)
         assert one_line(second) == (f"gpu-agent run: error: another agent serves the kubelet directory "
                                     f"{kubelet_dir}: pid {first.pid} holds the lock on {kubelet_dir}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +23,12 @@ from typing import Any
 
 import pytest
 
-from agent.mig.applier import JOURNAL, MAX_JOURNAL_BYTES, Journal
+from agent.mig.applier import JOURNAL, Journal
 from agent.mig.layout import load_layouts
 from tests.builders import started
 from tests.mig_rig import (
     FRESH,
+    JOURNAL_SHAPES,
     LAYOUT,
     PRESET,
     READ_PEAK,
@@ -42,42 +42,9 @@ from tests.mig_rig import (
 # --- a journal that cannot be one ----------------------------------------------------------------------------
 
 
-def fifo(path: Path) -> str:
-    os.mkfifo(path)
-    return "is a FIFO, not a regular file"
 
 
-def dev_zero(path: Path) -> str:
-    path.symlink_to("/dev/zero")
-    return "is a device, not a regular file"
-
-
-def directory(path: Path) -> str:
-    path.mkdir()
-    (path / "x").write_text("{}")
-    return "is a directory, not a regular file"
-
-
-def dangling(path: Path) -> str:
-    path.symlink_to("gone.json")
-    return "is a symbolic link to gone.json, which does not exist"
-
-
-def over_limit(path: Path) -> str:
-    # A journal naming a layout, padded past the bound: it is not read at all, not even its first bytes.
-    path.write_text(json.dumps({"layout": "all-balanced"}).ljust(MAX_JOURNAL_BYTES + 1))
-    return "larger than 64 KiB; not read"
-
-
-def invalid_json(path: Path) -> str:
-    path.write_text('{"layout": "all-balanced", "layouts_file": "built-in def')
-    return "not JSON: Unterminated string starting at (line 1, column 44)"
-
-
-SHAPES = [fifo, dev_zero, directory, dangling, over_limit, invalid_json]
-
-
-@pytest.mark.parametrize("make", SHAPES, ids=[f.__name__ for f in SHAPES])
+@pytest.mark.parametrize("make", JOURNAL_SHAPES, ids=[f.__name__ for f in JOURNAL_SHAPES])
 def test_an_unreadable_journal_with_no_label_is_named_on_the_node_and_nothing_changes(
         tmp_path: Path, make: Callable[[Path], str]) -> None:
     state_dir = tmp_path / "state"
