@@ -35,7 +35,7 @@ SOCKET_PATH_MAX = 107
 
 def socket_name_length(resource: str) -> int:
     """The longest name the agent gives the device-plugin socket of a resource (gpu-agent-<resource>-<instance>-
-    <generation>.sock), with room for a million restarts of its server."""
+    <serial>.sock, agent/deviceplugin/server.py `socket_name`), with room for a million serves in one process."""
     return len(f"gpu-agent-{resource.replace('/', '_').replace('.', '-')}-0123abcd-999999.sock")
 
 
