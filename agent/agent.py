@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from agent.checks import StartupError
 from agent.config import ConfigError
+from agent.cordon import Cordons
 from agent.deviceplugin.response import NodeFiles
 from agent.deviceplugin.server import PluginSet
 from agent.deviceplugin.servicer import SEARCH_THREADS, DevicePluginServicer
@@ -156,6 +157,10 @@ class Agent:
         self.handover = Handover(bus, self.plans,
                                  lambda: self.dra.plugin.holders() if self.dra is not None else None)
         """Keeps NodeState.held: what pods hold through the mode the node left (agent/handover.py)."""
+        self.cordons = Cordons(bus, self.plans, lambda: self.dra.plugin.holders() if self.dra is not None else [],
+                               options.cordon_file)
+        """Keeps NodeState.cordoned from the Node's cordon annotation, and who holds each cordoned GPU
+        (agent/cordon.py); run with the Node reconciler."""
         self.ready = AgentReadiness(self.backend, self.plugins, self.reconciler, self._slices_published,
                                     self.devices)
         """What /readyz answers once the agent runs (agent/readiness.py)."""
@@ -230,6 +235,7 @@ class Agent:
         self.spawn("mps", self.mps.run)
         if self.reconciler is not None:
             self.spawn("node-reconciler", self.reconciler.run)
+            self.spawn("cordon", self.cordons.run)
 
     async def _take_over(self) -> None:
         """A rolling update: DRA is served already (in DRA mode); the rest waits for the old agent to let the

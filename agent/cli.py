@@ -214,11 +214,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             except NotTolerated as err:
                 await kube.close()
                 raise CliError(str(err)) from None
+        from agent.cordon import CORDON_FILE
+
         options = AgentOptions(
             config=config, kubelet_dir=args.kubelet_dir, metrics_port=args.metrics_port,
             metrics_host=args.metrics_address, kube=kube,
             config_path=args.config, pod_uid=os.environ.get("POD_UID") or None,
             gpu_identities=identity_file(args.nvml, args.mock_state, config.mig.state_dir),
+            cordon_file=identity_file(args.nvml, args.mock_state, config.mig.state_dir, CORDON_FILE),
         )
         return await run_until_signal(backend, options)
 
@@ -234,15 +237,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"{err}{hint if 'Library Not Found' in str(err) else ''}") from err
 
 
-def identity_file(nvml: str, mock_state: Path | None, state_dir: Path) -> Path | None:
-    """Where `gpu-agent run` keeps what it read of each GPU (agent/nvml/identity.py): gpus.json in the MIG state
-    directory on a real node; on a simulated one, <mock-state stem>-gpus.json beside its --mock-state file, whose
-    GPUs they are (none without one: such a node starts anew every time)."""
-    from agent.nvml.identity import IDENTITY_FILE
-
+def identity_file(nvml: str, mock_state: Path | None, state_dir: Path, name: str = "gpus.json") -> Path | None:
+    """Where `gpu-agent run` keeps what it read of each GPU (agent/nvml/identity.py; `name` gpus.json) or the GPUs
+    cordoned on its Node (agent/cordon.py; cordon.json): `name` in the MIG state directory on a real node; on a
+    simulated one, <mock-state stem>-<name> beside its --mock-state file, whose GPUs they are (none without one:
+    such a node starts anew every time)."""
     if nvml == "real":
-        return state_dir / IDENTITY_FILE
-    return None if mock_state is None else mock_state.with_name(f"{mock_state.stem}-gpus.json")
+        return state_dir / name
+    return None if mock_state is None else mock_state.with_name(f"{mock_state.stem}-{name}")
 
 
 def inspect_view(backend: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from agent.checks import (
     machine_type,
 )
 from agent.config import AgentConfig, DraSettings, beside_kubelet
+from agent.cordon import load_cordoned
 from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.kube.reconciler import NodeClient
@@ -84,6 +85,9 @@ class AgentOptions:
     gpu_identities: Path | None = None
     """The file where the agent keeps what it read of each GPU (agent/nvml/identity.py), so that a GPU lost before
     a later start is still named; None keeps it only for the process's life."""
+    cordon_file: Path | None = None
+    """The file where the agent keeps the GPUs cordoned on its Node (agent/cordon.py), so that a later start
+    withholds them before it reads the Node; None keeps them only for the process's life."""
 
     def __post_init__(self) -> None:
         # The kubelet's PodResources socket, unless the config names one, is the one beside `kubelet_dir`.
@@ -209,9 +213,17 @@ async def _init_nvml(footing: Footing) -> NodeState:
                     len(inventory.gpus), len(lost), "; ".join(
                         f"GPU {g.index}" + (" (never read)" if g.unread else f" {g.uuid}") for g in lost))
     config = footing.options.config
+    # The GPUs an operator cordoned stay withheld from the first list on, before the Node is read (with an API
+    # server only: without one nothing could lift the cordon).
+    cordon = footing.options.cordon_file
+    cordoned = load_cordoned(cordon, inventory) if cordon is not None and footing.options.kube is not None else None
+    if cordoned:
+        log.info("GPUs cordoned when the agent last ran stay cordoned until the Node is read: %s",
+                 ", ".join(str(g.index) for g in inventory.gpus if g.uuid in cordoned))
     # In DRA mode whole GPUs are offered once the handover knows which ones pods hold through the device plugin.
     return NodeState(version=1, inventory=inventory, config=config, handover=config.dra.enabled,
-                     machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()))
+                     machine=machine_type(config.flags.gfd.machine_type_file), labelled_at=int(time.time()),
+                     cordoned=cordoned or frozenset())
 
 
 async def _first_inventory(footing: Footing, deadline: float) -> NodeInventory:

@@ -85,16 +85,28 @@ def selects(selector: int | str, unit: Device, gpu: GpuInfo) -> bool:
     return selector.lower() in (gpu.name.lower(), sanitise(gpu.name).lower())
 
 
-def _whole(gpu: GpuInfo, state: NodeState, by_index: bool) -> Device:
+CORDONED = "cordoned (the Node's gpu-node-agent.io/cordon annotation)"
+"""Why a healthy GPU's devices are listed Unhealthy: an operator took it out of service (agent/cordon.py)."""
+
+
+def _health(gpu: GpuInfo, state: NodeState) -> tuple[bool, str]:
+    """Whether the GPU's devices are offered, and why not: its health, then the operator's cordon."""
     health = state.gpu_health(gpu.uuid)
-    return Device(gpu.uuid, health.healthy, gpu.numa_node, gpu.index, gpu.uuid,
-                  str(gpu.index) if by_index else gpu.uuid, health.reason, index=str(gpu.index))
+    if health.healthy and gpu.uuid in state.cordoned:
+        return False, CORDONED
+    return health.healthy, health.reason
+
+
+def _whole(gpu: GpuInfo, state: NodeState, by_index: bool) -> Device:
+    healthy, reason = _health(gpu, state)
+    return Device(gpu.uuid, healthy, gpu.numa_node, gpu.index, gpu.uuid,
+                  str(gpu.index) if by_index else gpu.uuid, reason, index=str(gpu.index))
 
 
 def _mig(mig: MigDeviceInfo, slot: int, gpu: GpuInfo, state: NodeState, by_index: bool) -> Device:
-    health = state.gpu_health(gpu.uuid)
-    return Device(mig.uuid, health.healthy, gpu.numa_node, gpu.index, gpu.uuid,
-                  f"{gpu.index}:{slot}" if by_index else mig.uuid, health.reason, kind="mig",
+    healthy, reason = _health(gpu, state)
+    return Device(mig.uuid, healthy, gpu.numa_node, gpu.index, gpu.uuid,
+                  f"{gpu.index}:{slot}" if by_index else mig.uuid, reason, kind="mig",
                   index=f"{gpu.index}:{slot}")
 
 

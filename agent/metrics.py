@@ -183,11 +183,16 @@ class StateCollector(Collector):
         gpus = [(str(g.index), g.uuid) for g in state.inventory.gpus]
         labels = ["gpu", "uuid"]
         healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy, 0 when not.", labels=labels)
+        cordoned = GaugeMetricFamily("gpu_agent_gpu_cordoned",
+                                     "1 while an operator has the GPU out of service (gpu-node-agent.io/cordon).",
+                                     labels=labels)
         total = GaugeMetricFamily("gpu_agent_gpu_memory_total_bytes", "GPU memory.", labels=labels)
         for (index, uuid), gpu in zip(gpus, state.inventory.gpus, strict=True):
             healthy.add_metric([index, uuid], 1 if state.gpu_health(uuid).healthy else 0)
+            cordoned.add_metric([index, uuid], 1 if uuid in state.cordoned else 0)
             total.add_metric([index, uuid], gpu.memory_mib * MIB)
         yield healthy
+        yield cordoned
         yield total
         readings = self._telemetry()
         sampled: dict[str, tuple[str, Callable[[HealthReading], float | None]]] = {

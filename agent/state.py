@@ -74,6 +74,9 @@ class Changes(TypedDict, total=False):
     mps: Mapping[str, str]
     machine: str
     labelled_at: int
+    cordon_request: str | None
+    cordoned: frozenset[str]
+    cordon_holders: Mapping[str, tuple[str, ...]]
 
 
 class Evolution(Changes, total=False):
@@ -116,6 +119,15 @@ class NodeState:
     """The machine type (flags.gfd.machineTypeFile, e.g. the DMI product name), for nvidia.com/gpu.machine."""
     labelled_at: int = 0
     """Unix time the agent started; nvidia.com/gfd.timestamp."""
+    cordon_request: str | None = None
+    """The value of the Node's gpu-node-agent.io/cordon annotation ("" when it has none); None until the Node is
+    read (or without an API server)."""
+    cordoned: frozenset[str] = frozenset()
+    """GPU UUIDs an operator took out of service (agent/cordon.py): no new pod is given them or their MIG devices
+    and replicas (the device plugin lists them Unhealthy, the slice leaves them out); pods holding them run on."""
+    cordon_holders: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    """For each cordoned GPU, the pods (``namespace/name``) and DRA claims (``ResourceClaim namespace/name``)
+    that still hold it or one of its MIG devices or replicas, as last read."""
 
     def gpu_health(self, uuid: str) -> DeviceHealth:
         return self.health.get(uuid, HEALTHY)
@@ -137,6 +149,8 @@ class NodeState:
             changes["health"] = MappingProxyType(dict(changes["health"]))
         if "mps" in changes:
             changes["mps"] = MappingProxyType(dict(changes["mps"]))
+        if "cordon_holders" in changes:
+            changes["cordon_holders"] = MappingProxyType(dict(changes["cordon_holders"]))
         return dataclasses.replace(self, version=self.version + 1, **changes)
 
 

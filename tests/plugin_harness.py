@@ -137,6 +137,7 @@ async def running_agent(
     timeout: float = CONVERGE_S,
     await_node: bool = True,
     gpu_identities: Path | None = None,
+    cordon_file: Path | None = None,
 ) -> AsyncIterator[Rig]:
     """The agent on the fake NVML of preset `node` (or `fake`, or a `backend` over it), serving a stand-in
     kubelet in a short directory of its own, removed afterwards (or in `directory`, which stays) and, with
@@ -145,7 +146,8 @@ async def running_agent(
     the first NodeState. The MIG state stays in that directory unless the config names another;
     `metrics_port` 0 picks a free port; `timeout` bounds each of the two waits; `await_node=False` yields
     without waiting for the Node (one that never answers); `gpu_identities`: the file where the agent keeps
-    what it read of each GPU (AgentOptions.gpu_identities; by default none)."""
+    what it read of each GPU (AgentOptions.gpu_identities; by default none); `cordon_file`: where it keeps the
+    cordoned GPUs (AgentOptions.cordon_file; by default none)."""
     made = directory is None
     directory = directory or short_dir()
     fake = fake or FakeNvml(load_node(node))
@@ -155,7 +157,8 @@ async def running_agent(
         # Never the host's /var/lib/gpu-node-agent: a test's MIG journal stays in its own directory.
         config = config.model_copy(update={"mig": config.mig.model_copy(update={"state_dir": directory / "mig"})})
     options = AgentOptions(config=config, kubelet_dir=directory, metrics_port=metrics_port, metrics_host="127.0.0.1",
-                           kube=kube, config_path=config_path, gpu_identities=gpu_identities)
+                           kube=kube, config_path=config_path, gpu_identities=gpu_identities,
+                           cordon_file=cordon_file)
     try:
         if kubelet_first:
             await kubelet.start()

@@ -119,12 +119,12 @@ ProfilesOf = Callable[[GpuInfo], tuple[MigProfile, ...]]
 
 def dynamic_gpus(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints: bool = False
                  ) -> list[tuple[GpuInfo, tuple[MigProfile, ...]]]:
-    """The GPUs in MIG mode whose placements are published: with MIG profiles, not draining, not held through
-    the mode the node left, and healthy unless unhealthy ones are published with a taint."""
+    """The GPUs in MIG mode whose placements are published: with MIG profiles, not draining, not cordoned, not
+    held through the mode the node left, and healthy unless unhealthy ones are published with a taint."""
     held = held_gpus(state)
     return [(g, found) for g in state.inventory.gpus
             if g.mig_enabled and (found := profiles(g)) and g.uuid not in state.draining and g.uuid not in held
-            and (taints or state.gpu_health(g.uuid).healthy)]
+            and g.uuid not in state.cordoned and (taints or state.gpu_health(g.uuid).healthy)]
 
 
 def placements(state: NodeState, profiles: ProfilesOf = catalog_profiles, taints: bool = False

@@ -230,14 +230,15 @@ def held_gpus(state: NodeState) -> set[str]:
 
 
 def published_gpus(state: NodeState, taints: bool = False) -> list[GpuInfo]:
-    """The whole GPUs the slice carries (whole or as replicas): not draining, not MIG-enabled, not waiting for
-    their MPS daemon, not held through the mode the node left, and healthy unless unhealthy ones are published
-    with a taint (`taints`); never a lost GPU of which nothing was ever read (it has no attributes to publish)."""
+    """The whole GPUs the slice carries (whole or as replicas): not draining, not cordoned, not MIG-enabled, not
+    waiting for their MPS daemon, not held through the mode the node left, and healthy unless unhealthy ones are
+    published with a taint (`taints`); never a lost GPU of which nothing was ever read (it has no attributes to
+    publish)."""
     waiting = mps_waiting(state)
     held = held_gpus(state)
     return [g for g in state.inventory.gpus
             if (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining and not g.mig_enabled
-            and g.uuid not in waiting and g.uuid not in held and not g.unread]
+            and g.uuid not in state.cordoned and g.uuid not in waiting and g.uuid not in held and not g.unread]
 
 
 def mig_device_name(mig: MigInfo) -> str:
@@ -247,12 +248,12 @@ def mig_device_name(mig: MigInfo) -> str:
 
 def published_migs(state: NodeState, taints: bool = False) -> list[tuple[GpuInfo, MigInfo]]:
     """The MIG devices the slice carries, with their GPU: those of MIG-enabled GPUs whose layout is not being
-    changed, that are not held through the mode the node left, and that are healthy unless unhealthy ones are
-    published with a taint (`taints`)."""
+    changed and that are not cordoned, that are not held through the mode the node left, and that are healthy
+    unless unhealthy ones are published with a taint (`taints`)."""
     held = set() if state.handover else state.held
     parents = {g.index: g for g in state.inventory.gpus
                if g.mig_enabled and (taints or state.gpu_health(g.uuid).healthy) and g.uuid not in state.draining
-               and not (state.handover or g.uuid in held)}
+               and g.uuid not in state.cordoned and not (state.handover or g.uuid in held)}
     return [(parents[m.parent_index], m) for m in state.inventory.mig_devices
             if m.parent_index in parents and m.uuid not in held]
 

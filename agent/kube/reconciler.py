@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.cordon import CORDON_ANNOTATION, CORDON_STATE_ANNOTATION, cordon_report
 from agent.health.policy import NVML_UNRESPONSIVE
 from agent.kube.usage import ApiCounts, Backoff
 from agent.kube.view import Condition, NodeView, describe_error, is_conflict, is_expired
@@ -34,12 +35,18 @@ EVENT_REASONS = {
     "mig-success": "MigConfigApplied",
     "mig-failed": "MigConfigFailed",
     "mig-rebooting": "MigConfigRebooting",
+    "cordoned": "GPUCordoned",
+    "uncordoned": "GPUUncordoned",
+    "cordon-refused": "GPUCordonRefused",
+    "cordon-held": "CordonedGPUInUse",
+    "cordon-free": "CordonedGPUFree",
 }
 LABEL_DROPPED_REASON = "LabelDropped"
 OWN_TAINT_PREFIX = "gpu-node-agent.io/"
 EVENT_MESSAGE_MAX = 1024
 """Event messages are kept to what `kubectl describe` shows in full (events.k8s.io caps a note at 1 kB)."""
-NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mode-switched", "mig-success"})
+NORMAL_INCIDENTS = frozenset({"recovered", "config-applied", "mode-switched", "mig-success", "cordoned", "uncordoned",
+                              "cordon-held", "cordon-free"})
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
@@ -47,7 +54,8 @@ MIG_REASON_ANNOTATION = "nvidia.com/mig.config.state.reason"
 
 
 def owned_annotation(key: str) -> bool:
-    return key == MIG_REASON_ANNOTATION or key.startswith("gpu-node-agent.io/")
+    """The annotations the agent keeps (and removes when it no longer wants them): never the operator's cordon."""
+    return key == MIG_REASON_ANNOTATION or (key.startswith("gpu-node-agent.io/") and key != CORDON_ANNOTATION)
 
 
 class NodeClient(Protocol):
@@ -137,6 +145,8 @@ def node_intent(state: NodeState, labels: dict[str, str], taint: TaintPolicy) ->
         if state.mig_status.reason:
             # An annotation value has no length limit worth worrying about here; keep it readable.
             annotations[MIG_REASON_ANNOTATION] = state.mig_status.reason[:4096]
+    if state.cordoned:
+        annotations[CORDON_STATE_ANNOTATION] = cordon_report(state)
     # A label the API server refuses would fail the whole patch: it is left out, and said so.
     dropped = tuple(f"label {key}: {problem}; not written" for key, value in sorted(labels.items())
                     if (problem := label_problem(key, value)) is not None)
@@ -333,9 +343,12 @@ class NodeReconciler:
         self._node = view
         mig_request = view.labels.get(MIG_CONFIG_LABEL) or None
         config_request = view.labels.get(CONFIG_LABEL) or None
+        cordon_request = view.annotations.get(CORDON_ANNOTATION, "")
         state = self._bus.current
-        if (mig_request, config_request) != (state.mig_request, state.config_request):
-            await self._bus.update(mig_request=mig_request, config_request=config_request)
+        if ((mig_request, config_request, cordon_request)
+                != (state.mig_request, state.config_request, state.cordon_request)):
+            await self._bus.update(mig_request=mig_request, config_request=config_request,
+                                   cordon_request=cordon_request)
         self._dirty.set()
 
     async def _follow_node(self) -> None:

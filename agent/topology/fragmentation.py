@@ -5,9 +5,9 @@ beside the ones they have. Only the node knows its links and placements, so /met
 "Free GPUs that no large job can use").
 
 A whole GPU is free when the node offers it (agent/dra/slices.py `published_gpus`, the same in either mode:
-healthy, not in MIG mode, not draining for a MIG change, not waiting for its MPS daemon, not held through the mode
-the node left and not while that is being read) and no pod holds it, nor one of its replicas (`held`: the GPU and
-MIG device UUIDs pods hold, as the caller knows them).
+healthy, not in MIG mode, not draining for a MIG change, not cordoned by an operator, not waiting for its MPS
+daemon, not held through the mode the node left and not while that is being read) and no pod holds it, nor one of
+its replicas (`held`: the GPU and MIG device UUIDs pods hold, as the caller knows them).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def fragmentation(state: NodeState, held: Collection[str], topo: Topology) -> Fr
     adjacency = nvlink_adjacency(topo)
     mask = sum(1 << g for g in free)
     mig: Counter[str] = Counter()
-    kept_out = held_gpus(state) | state.draining
+    kept_out = held_gpus(state) | state.draining | state.cordoned
     for gpu in state.inventory.gpus:
         if not gpu.mig_enabled or gpu.uuid in kept_out or not state.gpu_health(gpu.uuid).healthy:
             continue

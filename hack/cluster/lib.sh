@@ -102,7 +102,8 @@ outside_paths=(
 # GPUs start as (MIG modes, instances, faults), unless up.sh runs with CLUSTER_FRESH_STATE=1.
 sim_state_files=(
     /var/lib/gpu-node-agent/mock-nvml.json /var/lib/gpu-node-agent/mock-nvml.json.lock
-    /var/lib/gpu-node-agent/mock-nvml-gpus.json /var/lib/gpu-node-agent/mig-journal.json
+    /var/lib/gpu-node-agent/mock-nvml-gpus.json /var/lib/gpu-node-agent/mock-nvml-cordon.json
+    /var/lib/gpu-node-agent/mig-journal.json
 )
 # usage: sim_state_check FILE...  Of the simulated GPUs' state files FILE, those an earlier cluster left: removed
 # when CLUSTER_FRESH_STATE=1 (the e2e suite's clusters start from the preset), else kept; said either way.

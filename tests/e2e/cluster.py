@@ -21,7 +21,7 @@ RUN_DIR = Path(os.environ.get("CLUSTER_RUN_DIR", "/run/gpu-node-agent-cluster"))
 MOCK_STATE = Path("/var/lib/gpu-node-agent/mock-nvml.json")
 """Where the overlay's --mock-state puts the fake NVML's state: in the agent's own state hostPath."""
 SIM_STATE = (MOCK_STATE, MOCK_STATE.with_name("mock-nvml.json.lock"), MOCK_STATE.with_name("mock-nvml-gpus.json"),
-             MOCK_STATE.with_name("mig-journal.json"))
+             MOCK_STATE.with_name("mock-nvml-cordon.json"), MOCK_STATE.with_name("mig-journal.json"))
 """Everything of the simulated GPUs' state on the host (hack/cluster/lib.sh, sim_state_files): gone after the
 suite's cluster, whatever an earlier one left."""
 BUSYBOX = "localhost/busybox:local"

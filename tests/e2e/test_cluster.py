@@ -157,6 +157,49 @@ def test_a_gpu_fault_injected_from_the_host_lowers_allocatable_taints_and_recove
     eventually(lambda: own_taints() == [], 60, "the taint removed")
 
 
+# --- a GPU taken out of service -----------------------------------------------------------------------------------
+
+CORDON = "gpu-node-agent.io/cordon"
+
+
+def cordon_state(cluster: Cluster) -> str | None:
+    """The agent's gpu-node-agent.io/cordon.state annotation on the Node."""
+    return cluster.node()["metadata"].get("annotations", {}).get(f"{CORDON}.state")
+
+
+def test_cordoned_gpus_keep_their_pod_running_and_the_next_pod_gets_another_gpu(cluster: Cluster) -> None:
+    uuids = gpu_uuids()
+    try:
+        cluster.apply(gpu_pod("cordon-held", 1))
+        wait_running(cluster, "cordon-held")
+        (held,) = visible_devices(cluster, "cordon-held")
+        index = uuids.index(held)
+        # The held GPU's NUMA node, all four: the next one-GPU pod must go to the other node.
+        quad = [i for i in range(8) if i // 4 == index // 4]
+        started = time.monotonic()
+        cluster.kubectl("annotate", "node", NODE, f"{CORDON}={','.join(map(str, quad))}")
+        eventually(lambda: cluster.allocatable() == "4", 30, "Allocatable nvidia.com/gpu: 4")
+        TIMES["cordon annotated -> Allocatable on the Node"] = time.monotonic() - started
+        assert cluster.capacity()["nvidia.com/gpu"] == "8"
+        expected = "; ".join(f"GPU {i} ({uuids[i]}): " + ("held by default/cordon-held" if i == index else "free")
+                             for i in quad)
+        eventually(lambda: cordon_state(cluster) == expected, 30, "the Node saying who holds the cordoned GPUs")
+        assert cluster.get("pod", "-n", "default", "cordon-held")["status"]["phase"] == "Running"
+
+        cluster.apply(gpu_pod("cordon-next", 1))
+        wait_running(cluster, "cordon-next")
+        (given,) = visible_devices(cluster, "cordon-next")
+        assert uuids.index(given) not in quad, (given, quad)
+        assert cluster.get("pod", "-n", "default", "cordon-held")["status"]["phase"] == "Running"
+
+        cluster.kubectl("annotate", "node", NODE, f"{CORDON}-")
+        eventually(lambda: cluster.allocatable() == "8", 30, "Allocatable nvidia.com/gpu: 8 again")
+        eventually(lambda: cordon_state(cluster) is None, 30, "the agent's answer removed")
+    finally:
+        cluster.kubectl("annotate", "node", NODE, f"{CORDON}-", check=False)
+        cluster.delete_pods("cordon-held", "cordon-next")
+
+
 def test_a_lost_gpu_keeps_the_taint_through_an_agent_restart_and_a_hung_gpu_never_holds_a_stop(
         cluster: Cluster) -> None:
     uuids = gpu_uuids()

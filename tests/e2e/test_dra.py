@@ -148,6 +148,51 @@ def test_a_pod_with_a_two_gpu_nvlink_domain_claim_runs_with_its_gpus_and_is_unpr
         cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
 
 
+def test_cordoned_gpus_leave_the_slice_while_their_claims_pod_runs_on_and_the_next_claim_gets_others(
+        dra_node: Cluster) -> None:
+    cluster = dra_node
+    cordon = "gpu-node-agent.io/cordon"
+    uuids = {g["index"]: g["uuid"] for g in preset_gpus()}
+
+    def running(pod: str) -> bool:
+        return cluster.get("pod", "-n", "default", pod)["status"].get("phase") == "Running"
+
+    def claimed(pod: str) -> tuple[str, list[int]]:
+        name = cluster.get("pod", "-n", "default", pod)["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        results = cluster.get("resourceclaim", "-n", "default", name)["status"]["allocation"]["devices"]["results"]
+        return name, sorted(int(r["device"].removeprefix("gpu-")) for r in results)
+
+    def published() -> list[str]:
+        return sorted(d["name"] for d in the_slice(cluster)["spec"]["devices"])
+
+    cluster.kubectl("apply", "-n", "default", "-f", str(TEMPLATE))
+    try:
+        cluster.apply(claim_pod("dra-cordon-held", "two-gpus-one-nvlink-domain"))
+        eventually(lambda: running("dra-cordon-held"), 90, "the first claim's pod Running")
+        claim, held = claimed("dra-cordon-held")
+        started = time.monotonic()
+        cluster.kubectl("annotate", "node", NODE, f"{cordon}={','.join(map(str, held))}")
+        others = sorted(f"gpu-{i}" for i in range(8) if i not in held)
+        eventually(lambda: published() == others, 30, "the cordoned GPUs out of the slice")
+        TIMES["cordon annotated -> DRA slice without the GPUs"] = time.monotonic() - started
+        expected = "; ".join(f"GPU {i} ({uuids[i]}): held by ResourceClaim default/{claim}" for i in held)
+        eventually(lambda: cluster.node()["metadata"].get("annotations", {}).get(f"{cordon}.state") == expected, 30,
+                   "the Node saying which claim holds the cordoned GPUs")
+
+        cluster.apply(claim_pod("dra-cordon-next", "two-gpus-one-nvlink-domain"))
+        eventually(lambda: running("dra-cordon-next"), 90, "the next claim's pod Running")
+        _, given = claimed("dra-cordon-next")
+        assert not set(given) & set(held), (given, held)
+        assert running("dra-cordon-held")
+
+        cluster.kubectl("annotate", "node", NODE, f"{cordon}-")
+        eventually(lambda: published() == [f"gpu-{i}" for i in range(8)], 30, "every GPU in the slice again")
+    finally:
+        cluster.kubectl("annotate", "node", NODE, f"{cordon}-", check=False)
+        cluster.delete_pods("dra-cordon-held", "dra-cordon-next")
+        cluster.kubectl("delete", "-n", "default", "-f", str(TEMPLATE), "--ignore-not-found")
+
+
 @pytest.mark.matrix
 def test_an_xid_taints_or_withdraws_the_gpu_as_the_release_keeps_taints_until_it_recovers(
         dra_node: Cluster) -> None:

@@ -450,3 +450,40 @@ async def test_a_repeated_event_raises_the_count_of_the_one_recorded(apiserver: 
     mine = sorted((e.message, e.count) for e in listed.items if "(repeat test)" in (e.message or ""))
     assert mine == [("GPU GPU-x: XID 94 (repeat test)", 3), ("GPU GPU-y: XID 94 (repeat test)", 1)]
     assert dict(api.counts.requests) == {("post", "events", "201"): 2, ("patch", "events", "200"): 2}
+
+
+async def test_a_gpu_cordoned_by_the_nodes_annotation_is_withheld_and_given_back(
+    agent_kubeconfig: Path, admin_core: k8s.CoreV1Api
+) -> None:
+    """The operator's `kubectl annotate node ... gpu-node-agent.io/cordon=5` through the API server: GPU 5 leaves
+    the device plugin's offer within 2 s, the Node shows it cordoned, an Event says so; `...cordon-` gives it back
+    and the agent's answer leaves the Node. The agent never writes the operator's annotation."""
+    mark, answer = "gpu-node-agent.io/cordon", "gpu-node-agent.io/cordon.state"
+    uid = admin_core.read_node(NODE).metadata.uid
+
+    def cordon_events() -> list[tuple[str, str]]:
+        listed = admin_core.list_namespaced_event("default", field_selector=f"involvedObject.uid={uid}")
+        return sorted((e.reason, e.message) for e in listed.items if e.reason in ("GPUCordoned", "GPUUncordoned"))
+
+    async with running_agent("dgx-h100", FAST_HEALTH, kube=await NodeApi.connect(agent_kubeconfig, NODE)) as rig:
+        uuid5 = rig.uuid(5)
+        try:
+            admin_core.patch_node(NODE, {"metadata": {"annotations": {mark: "5"}}})
+            await wait_until(lambda: rig.health() == ["Healthy"] * 5 + ["Unhealthy"] + ["Healthy"] * 2, 2,
+                             "GPU 5 Unhealthy in ListAndWatch within 2 s of the annotation")
+            node = await wait_until(
+                lambda: (n := admin_core.read_node(NODE)) and answer in (n.metadata.annotations or {}) and n, 10,
+                "the Node's cordon state", blocking=True)
+            # No kubelet PodResources socket beside this agent: who holds GPU 5 is not known, and said so.
+            assert node.metadata.annotations[answer] == f"GPU 5 ({uuid5}): holders not known"
+            assert node.metadata.annotations[mark] == "5"
+            await wait_until(lambda: cordon_events() == [("GPUCordoned", "GPU 5 cordoned (gpu-node-agent.io/cordon): "
+                                                          "no new pod is given it; pods holding it run on")],
+                             10, "the GPUCordoned Event", blocking=True)
+        finally:
+            admin_core.patch_node(NODE, {"metadata": {"annotations": {mark: None}}})
+        await wait_until(lambda: rig.health() == ["Healthy"] * 8, 2, "GPU 5 offered again within 2 s")
+        await wait_until(lambda: answer not in (admin_core.read_node(NODE).metadata.annotations or {}), 10,
+                         "the agent's answer removed", blocking=True)
+        await wait_until(lambda: ("GPUUncordoned", "GPU 5 uncordoned: offered again") in cordon_events(), 10,
+                         "the GPUUncordoned Event", blocking=True)

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.cli import parser
 from agent.config import DEFAULT_CONFIG
+from agent.cordon import CORDON_ANNOTATION
 from agent.inventory import GPU_RESOURCE, mig_resource
 from agent.kube.reconciler import (
     CONDITION_TYPE,
@@ -280,7 +281,7 @@ def test_command_extraction_sees_console_and_sh_blocks_only() -> None:
 
 KEY = re.compile(r"(?:nvidia\.com|gpu-node-agent\.io)/[A-Za-z0-9_.<>+*-]*[A-Za-z0-9>*]")
 # Keys the agent reads and never writes.
-READ_KEYS = {MIG_CONFIG_LABEL, CONFIG_LABEL, "nvidia.com/gpu.present"}
+READ_KEYS = {MIG_CONFIG_LABEL, CONFIG_LABEL, "nvidia.com/gpu.present", CORDON_ANNOTATION}
 # Resource names the agent advertises (not labels): whole GPUs, renamed replicas and MIG profiles.
 RESOURCES = {GPU_RESOURCE, f"{GPU_RESOURCE}.shared"}
 

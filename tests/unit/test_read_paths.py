@@ -38,6 +38,7 @@ import pytest
 
 from agent.checks import machine_type
 from agent.config import ConfigError, load_config
+from agent.cordon import load_cordoned
 from agent.deviceplugin.nodefiles import read_node_files
 from agent.deviceplugin.response import NodeFiles
 from agent.dra.claims import ClaimStore, Paths
@@ -50,7 +51,7 @@ from agent.nvml import MockStateError
 from agent.nvml.fake import FakeNvml
 from agent.nvml.identity import load_identities, save_identities
 from agent.nvml.nodefile import NodeFileError, load_node
-from agent.nvml.records import GpuInfo
+from agent.nvml.records import DriverInfo, GpuInfo, NodeInventory
 from agent.nvml.sysfs import sysfs_numa_node, sysfs_pci_class
 from agent.yamlfile import InputFileError, read_text_file
 
@@ -393,6 +394,9 @@ CASES: dict[str, Case] = {
                                                         absent=frozenset({"dangling-symlink"})),
     "agent.nvml.identity:load_identities": Case(load_identities, "gpus.json", answer={}, says_so=True),
     "agent.nvml.identity:save_identities": Case(saved_identities, "gpus.json"),
+    "agent.cordon:load_cordoned": Case(lambda p: load_cordoned(p, NodeInventory(DriverInfo("570.133.20", "12.8"),
+                                                                                (GPU,), ())),
+                                       "cordon.json", answer=frozenset(), says_so=True),
     "agent.dra.claims:ClaimStore._read": Case(claim_store, "checkpoint.json", answer={}, says_so=True,
                                               absent=frozenset({"dangling-symlink"})),
     "agent.dra.claims:ClaimStore._fold_legacy_dynamic": Case(
