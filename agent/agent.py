@@ -204,6 +204,7 @@ class Agent:
         self.metrics.registry.register(ApiCollector(self.api_counts))
         self.metrics.serve_also(renderer(lambda: telemetry.current, lambda: bus.current, lambda: telemetry.enabled))
         self.metrics.watch_free(bus, self.pod_holdings)
+        self.metrics.watch_usage(telemetry.usage)
         self.spawn("telemetry", telemetry.run)
         if opts.config_path is not None:
             self.spawn("config-reload", self.config_reload.follow)

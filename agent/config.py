@@ -435,6 +435,11 @@ class TelemetrySettings(_Strict):
     interval_seconds: StrictFloat = Field(default=10.0, ge=1, le=3600, alias="intervalSeconds")
     """How often NVML is read for them (and the kubelet asked which pods hold which devices); scrapes read the
     last pass."""
+    idle_utilization_threshold: StrictFloat = Field(default=0.05, ge=0, le=1, alias="idleUtilizationThreshold")
+    """A device held by a pod counts as idle (gpu_agent_*_idle_gpu_seconds) while its utilization, 0 to 1, is under
+    this; 0: never idle."""
+    chargeback_by_pod: StrictBool = Field(default=False, alias="chargebackByPod")
+    """Count GPU-seconds per pod too (gpu_agent_pod_*gpu_seconds), beside the counts per namespace."""
 
 
 class MigSettings(_Strict):

@@ -116,6 +116,11 @@ class Metrics:
         where the agent does not know them."""
         self.registry.register(FreeCapacityCollector(bus, holdings))
 
+    def watch_usage(self, usage: Collector) -> None:
+        """The GPU-seconds held per namespace and pod (agent/telemetry/chargeback.py), as the telemetry passes
+        count them."""
+        self.registry.register(usage)
+
 
 class _LogDropCollector(Collector):
     def describe(self) -> Iterator[Metric]:

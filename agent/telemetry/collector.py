@@ -8,16 +8,22 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
 from agent.nvml.backend import NvmlBackend
-from agent.nvml.fields import DeviceReading, FieldReader
+from agent.nvml.fields import GPU_UTIL, PROF_GR_ENGINE_ACTIVE, DeviceReading, FieldReader
 from agent.nvmlthread import BoundedCalls, NvmlCall, NvmlStuck
-from agent.podresources import PodResourcesUnavailable, allocations
-from agent.state import StateBus
+from agent.podresources import DeviceHolder, PodResourcesUnavailable, allocations
+from agent.state import NodeState, StateBus
+from agent.telemetry.chargeback import GpuSecondsLedger, Held, Totals, device_shares, holds, shared_replicas
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +67,28 @@ def holders_by_device(found: list[Any]) -> dict[str, tuple[Holder, ...]]:
             for device, hs in grouped.items()}
 
 
+def utilization(readings: tuple[DeviceReading, ...] | list[DeviceReading]) -> dict[str, float | None]:
+    """Each device's utilization, 0 to 1, by GPU or MIG UUID: DCGM_FI_DEV_GPU_UTIL / 100 where NVML gives it (a
+    GPU with MIG off), else DCGM_FI_PROF_GR_ENGINE_ACTIVE (GPM: a MIG device, or a GPU, on Hopper and later from
+    the second pass), else None."""
+    found: dict[str, float | None] = {}
+    for reading in readings:
+        if GPU_UTIL in reading.values:
+            found[reading.uuid] = reading.values[GPU_UTIL] / 100
+        else:
+            found[reading.uuid] = reading.values.get(PROF_GR_ENGINE_ACTIVE)
+    return found
+
+
 class TelemetryCollector:
-    """Producer of the dcgm-family snapshot."""
+    """Producer of the dcgm-family snapshot, and of the GPU-seconds per namespace (`ledger`)."""
 
     def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall,
                  xid_counts: Callable[[], Mapping[tuple[str, int], int]],
-                 late: Callable[[], object] = lambda: None) -> None:
+                 late: Callable[[], object] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
         """`late`: called when a GPU's read is not waited for any longer (NvmlThread.overdue, which sets its worker
-        aside so that the next GPU's read does not queue behind it)."""
+        aside so that the next GPU's read does not queue behind it). `clock`: the monotonic clock the GPU-seconds
+        are counted by."""
         self._bus = bus
         self._nvml = nvml
         self._bounded = BoundedCalls(nvml, lambda: bus.current.config.health.nvml_deadline_seconds + 0.5, late)
@@ -82,6 +102,12 @@ class TelemetryCollector:
         self.nvml_calls = 0
         """NVML calls the last pass made."""
         self.pass_seconds = 0.0
+        self.ledger = GpuSecondsLedger()
+        self.usage = ChargebackCollector(self.ledger)
+        """The ledger's counters for the agent's registry (Metrics.watch_usage)."""
+        self.clock = clock
+        """The monotonic clock the GPU-seconds are counted by (read once per pass)."""
+        self._shapes: tuple[NodeState, dict[str, Fraction], dict[str, int]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +129,8 @@ class TelemetryCollector:
         self._seen_xids = counts
         return dict(self._last_xid)
 
-    async def _holders(self) -> dict[str, tuple[Holder, ...]]:
+    async def _listing(self) -> list[DeviceHolder] | None:
+        """The devices containers hold, from the kubelet; None where it cannot say."""
         socket = self._socket
         if not socket.exists():
             # No kubelet here (a simulated node, or one not mounting the socket): say so once, not each pass.
@@ -111,22 +138,39 @@ class TelemetryCollector:
             if self._podresources_down != why:
                 log.info("%s", why)
                 self._podresources_down = why
-            return {}
+            return None
         try:
             found = await allocations(socket)
         except PodResourcesUnavailable as err:
             if self._podresources_down != str(err):
                 log.warning("no pod labels on GPU metrics: %s", err)
                 self._podresources_down = str(err)
-            return {}
+            return None
         if self._podresources_down is not None:
             log.info("kubelet PodResources answers again: pod attribution on GPU metrics resumed")
             self._podresources_down = None
-        return holders_by_device(found)
+        return found
+
+    def _charge(self, found: list[DeviceHolder] | None, readings: list[DeviceReading]) -> None:
+        """Feed the GPU-seconds ledger what this pass found. A pass without a PodResources listing feeds nothing,
+        so the next pass with one charges the time since the last that had one (up to the ledger's cap)."""
+        if found is None:
+            return
+        state = self._bus.current
+        shapes = self._shapes
+        if shapes is None or shapes[0] is not state:
+            shapes = (state, device_shares(state.inventory), shared_replicas(state))
+            self._shapes = shapes
+        telemetry = state.config.telemetry
+        self.ledger.record(self.clock(), holds((Held(h.namespace, h.pod, h.device_id) for h in found),
+                                                shapes[1], shapes[2]),
+                           utilization(readings), interval_s=telemetry.interval_seconds,
+                           idle_below=telemetry.idle_utilization_threshold, by_pod=telemetry.chargeback_by_pod)
 
     async def collect_once(self) -> Snapshot:
         started = time.perf_counter()
-        holders = await self._holders()
+        found = await self._listing()
+        holders = holders_by_device(found or [])
         inventory = self._bus.current.inventory
 
         def begin() -> None:
@@ -144,6 +188,7 @@ class TelemetryCollector:
                                                     what="the telemetry pass", gpu=gpu.index)
         self.nvml_calls = self.reader.calls
         self.snapshot = Snapshot(tuple(readings), holders, self._note_xids(), time.time())
+        self._charge(found, readings)
         self.passes += 1
         self.pass_seconds = time.perf_counter() - started
         return self.snapshot
@@ -168,6 +213,7 @@ class TelemetryCollector:
                     await self.collect_once()
                 else:
                     self.snapshot = Snapshot()
+                    self.ledger.pause()
                 interval = state.config.telemetry.interval_seconds
                 # A config change (the family switched on or off, another interval) starts a pass at once.
                 with contextlib.suppress(TimeoutError):
@@ -183,3 +229,34 @@ class TelemetryCollector:
         state = self._bus.current
         while state.config.telemetry == getattr(config, "telemetry", None):
             state = await self._bus.wait_newer(state.version)
+
+
+class ChargebackCollector(Collector):
+    """The ledger's GPU-seconds as Prometheus counters, per namespace and (with telemetry.chargebackByPod) per
+    pod. The families are always served; a namespace or pod has samples while the ledger keeps it."""
+
+    def __init__(self, ledger: GpuSecondsLedger) -> None:
+        self._ledger = ledger
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        ledger = self._ledger
+        families: tuple[tuple[str, str, list[str], Mapping[Any, Totals]], ...] = (
+            ("gpu_agent_namespace_gpu_seconds", "GPU-seconds held by the namespace's pods (a MIG device or a "
+             "replica counts its share of a GPU).", ["namespace"], ledger.namespaces),
+            ("gpu_agent_pod_gpu_seconds", "GPU-seconds held by the pod (with telemetry.chargebackByPod).",
+             ["namespace", "pod"], ledger.pods),
+        )
+        for name, doc, labels, table in families:
+            held = CounterMetricFamily(name, doc, labels=labels)
+            idle = CounterMetricFamily(name.replace("_gpu_seconds", "_idle_gpu_seconds"),
+                                       "Of those, GPU-seconds held while the device's utilization was under "
+                                       "telemetry.idleUtilizationThreshold.", labels=labels)
+            for key, totals in sorted(table.items()):
+                values = [key] if isinstance(key, str) else list(key)
+                held.add_metric(values, float(totals.held))
+                idle.add_metric(values, float(totals.idle))
+            yield held
+            yield idle

@@ -57,8 +57,9 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        data = self.get("/api/v1/query", query=expr)
+    def query(self, expr: str, at: str | None = None) -> list[dict[str, Any]]:
+        """An instant query, now or at the time `at` (seconds since the epoch, as the API writes timestamps)."""
+        data = self.get("/api/v1/query", query=expr, **({"time": at} if at is not None else {}))
         assert data["resultType"] == "vector", (expr, data["resultType"])
         result: list[dict[str, Any]] = data["result"]
         return result

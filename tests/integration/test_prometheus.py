@@ -38,6 +38,7 @@ RULES = REPO / "daemonset" / "monitoring" / "gpu-node-agent-rules.yaml"
 RULE_TESTS = REPO / "tests" / "prometheus" / "rules.test.yaml"
 DCGM_DASHBOARD = REPO / "tests" / "fixtures" / "dcgm-exporter" / "dcgm-exporter-dashboard.json"
 OUR_DASHBOARD = REPO / "docs" / "grafana-dashboard.json"
+CHARGEBACK_DASHBOARD = REPO / "docs" / "grafana-chargeback-dashboard.json"
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +51,8 @@ def binaries() -> None:
 
 
 class PodResources(pr_grpc.PodResourcesListerServicer):
-    """The kubelet's PodResources v1 Lister, serving whatever pods the test says hold devices."""
+    """The kubelet's PodResources v1 Lister, serving whatever pods the test says hold devices: by pod name (in the
+    namespace "ml") or by "<namespace>/<pod>"."""
 
     def __init__(self) -> None:
         self.pods: dict[str, list[str]] = {}
@@ -58,8 +60,9 @@ class PodResources(pr_grpc.PodResourcesListerServicer):
     async def List(self, request: pr.ListPodResourcesRequest, context: grpc.aio.ServicerContext
                    ) -> pr.ListPodResourcesResponse:
         return pr.ListPodResourcesResponse(pod_resources=[
-            pr.PodResources(name=pod, namespace="ml", containers=[pr.ContainerResources(
-                name="main", devices=[pr.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)])])
+            pr.PodResources(name=pod.rpartition("/")[2], namespace=pod.rpartition("/")[0] or "ml",
+                            containers=[pr.ContainerResources(name="main", devices=[
+                                pr.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=ids)])])
             for pod, ids in self.pods.items()
         ])
 
@@ -306,6 +309,87 @@ async def test_a_real_prometheus_sees_every_dashboard_query_and_every_alert() ->
             assert await wait_until(lambda: trainer_gpus() == [], SCRAPED_S, "trainer-0 gone", blocking=True)
             assert await wait_until(lambda: len(prom.query('DCGM_FI_DEV_GPU_UTIL{instance="gpu-node-1",gpu="2"}'))
                                     == 1, SCRAPED_S, "GPU 2 back to one series", blocking=True)
+
+
+class ManualClock:
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_the_chargeback_dashboard_adds_up_what_prometheus_stored() -> None:
+    """The GPU-seconds counters as a real Prometheus stores them, and every query of the chargeback dashboard over
+    them. The agent's GPU-seconds are counted on a clock the test moves, so the totals are known exactly; each
+    query is evaluated at the last scrape, as Grafana evaluates an instant query at the end of its range."""
+    directory = short_dir()
+    (directory / "pr").mkdir(parents=True)
+    lister = PodResources()
+    server = grpc.aio.server()
+    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    server.add_insecure_port(f"unix://{directory}/pr/pr.sock")
+    await server.start()
+    try:
+        async with running_agent("dgx-h100", agent_config(directory), metrics_port=0, directory=directory) as one:
+            agent, fake = one.agent, one.fake
+            assert agent.http is not None
+            clock = ManualClock()
+            agent.telemetry.clock = clock
+            gpus = [g.uuid for g in agent.bus.current.inventory.gpus]
+            fake.set_workload(0, 0.9)
+            fake.set_workload(1, 0.0)  # research holds GPU 1 and leaves it idle
+            fake.set_workload(2, 0.7)
+            with running_prometheus(directory, {"gpu-node-1": agent.http.port}, []) as prom:
+                lister.pods = {"research/train": [gpus[0], gpus[1]], "batch/job": [gpus[2]]}
+
+                def held() -> dict[str, float]:
+                    return {s["metric"]["namespace"]: float(s["value"][1])
+                            for s in prom.query('gpu_agent_namespace_gpu_seconds_total{instance="gpu-node-1"}')}
+
+                # Both namespaces' series stored at 0 before any second is counted.
+                await wait_until(lambda: held() == {"research": 0.0, "batch": 0.0}, SCRAPED_S,
+                                 "both namespaces at 0", blocking=True)
+                # Four times 1.5 s, each counted by the next pass (1.5 s is under the cap of 2 intervals).
+                for _ in range(4):
+                    passes = agent.telemetry.passes
+                    clock.now += 1.5
+                    await wait_until(lambda p=passes: agent.telemetry.passes >= p + 2, 10, "a pass after the move")
+                # research: 2 GPUs x 6 s = 12 GPU-seconds, 6 of them idle (GPU 1); batch: 1 GPU x 6 s, busy.
+                await wait_until(lambda: held() == {"research": 12.0, "batch": 6.0}, SCRAPED_S, "12 and 6 stored",
+                                 blocking=True)
+                [last] = prom.query('timestamp(gpu_agent_namespace_gpu_seconds_total{namespace="research"})')
+                at = last["value"][1]
+
+                def answer(expr: str) -> dict[str, float]:
+                    query = expr.replace("$node", "gpu-node-1").replace("$__range", "1h").replace("$cost", "2.5")
+                    return {s["metric"].get("namespace", ""): float(s["value"][1]) for s in prom.query(query, at)}
+
+                expected = {
+                    # The four stats: research 12 + batch 6 = 18 GPU-seconds, 6 idle; at 2.5 a GPU-hour.
+                    "GPU-hours": [{"": 18 / 3600}],
+                    "Idle GPU-hours": [{"": 6 / 3600}],
+                    "Cost": [{"": 18 / 3600 * 2.5}],
+                    "Idle cost": [{"": 6 / 3600 * 2.5}],
+                    # The table: GPU-hours, idle GPU-hours, idle share, cost, idle cost, per namespace.
+                    "Per namespace": [
+                        {"research": 12 / 3600, "batch": 6 / 3600},
+                        {"research": 6 / 3600, "batch": 0.0},
+                        {"research": 0.5, "batch": 0.0},
+                        {"research": 12 / 3600 * 2.5, "batch": 6 / 3600 * 2.5},
+                        {"research": 6 / 3600 * 2.5, "batch": 0.0},
+                    ],
+                }
+                board = json.loads(CHARGEBACK_DASHBOARD.read_text())
+                answers = {p["title"]: [answer(t["expr"]) for t in p["targets"]] for p in board["panels"]}
+                assert answers == expected
+                variables = {v["name"]: v["type"] for v in board["templating"]["list"]}
+                assert variables == {"datasource": "datasource", "node": "query", "cost": "textbox"}
+    finally:
+        await server.stop(None)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def metrics_of(port: int) -> str:

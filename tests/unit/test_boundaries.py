@@ -62,6 +62,7 @@ PURE = (
     "agent/nvml/catalog.py",
     "agent/mps_client.py",
     "agent/deviceplugin/response.py",
+    "agent/telemetry/chargeback.py",
 )
 """Modules whose functions depend only on their arguments (globs, each matching at least one file)."""
 
@@ -318,6 +319,8 @@ FIXTURE = {
     "agent/health/policy.py": "import logging\nfrom subprocess import run\n",
     "agent/mps_client.py": "from pathlib import PurePath\n",
     "agent/deviceplugin/response.py": "import operator\n",
+    "agent/telemetry/__init__.py": "",
+    "agent/telemetry/chargeback.py": "from fractions import Fraction\n",
 }
 
 
