@@ -34,6 +34,7 @@ from dra_rig import (
     slices_of,
     unschedulable,
 )
+from kubernetes import client as k8s
 
 from agent.dra.health_v1 import api_pb2 as health_v1
 from agent.dra.health_v1 import api_pb2_grpc as health_v1_grpc
@@ -197,6 +198,22 @@ async def test_with_the_gate_an_unhealthy_gpu_is_tainted_the_scheduler_avoids_it
         assert [d.get("taints") for d in devices(back).values()] == [None, None, None, None]
         assert await asyncio.to_thread(allocated, tainting, "four") == (
             "dra-gated", [("gpus", "dra-gated", f"gpu-{i}") for i in range(4)])
+
+
+async def test_a_cordoned_gpu_leaves_the_slice_within_2_s_also_where_unhealthy_ones_are_tainted(
+        tainting: GatedApiServer) -> None:
+    """An operator's cordon is not a fault: where the API server keeps device taints the GPU is still left out of
+    the slice (not tainted), within 2 s of the annotation, and back within 2 s of its removal."""
+    kubeconfig = tainting.service_account_kubeconfig(AGENT_ACCOUNT, AGENT_NAMESPACE)
+    core = k8s.CoreV1Api(tainting.admin_client())
+    async with dra_agent(tainting, kubeconfig, "dra-cordon", "a100-pcie-nvlink-pairs"):
+        await asyncio.to_thread(core.patch_node, "dra-cordon",
+                                {"metadata": {"annotations": {"gpu-node-agent.io/cordon": "1,2"}}})
+        now = await slice_when(tainting, "dra-cordon", lambda d: list(d) == ["gpu-0", "gpu-3"], timeout=2)
+        assert [d.get("taints") for d in devices(now).values()] == [None, None]
+        await asyncio.to_thread(core.patch_node, "dra-cordon",
+                                {"metadata": {"annotations": {"gpu-node-agent.io/cordon": None}}})
+        await slice_when(tainting, "dra-cordon", lambda d: list(d) == [f"gpu-{i}" for i in range(4)], timeout=2)
 
 
 async def test_with_the_gate_a_node_fatal_fault_taints_no_execute(
