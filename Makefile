@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-release unit lint protos protos-check testbin kubelet-harness bench bench-fleet bench-input clean cluster cluster-down mutate
+.PHONY: demo test test-release unit lint protos protos-check testbin kubelet-harness bench bench-fleet bench-input clean cluster cluster-down mutate image
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ cluster: $(STAMP)
 
 cluster-down:
 	hack/cluster/down.sh
+
+# The agent's image for linux/amd64 and linux/arm64 from the Dockerfile, as one OCI image index in
+# .cache/cluster/images/agent-index.tar (root; the arm64 half is built under qemu). Rebuilt only when its inputs change.
+image:
+	hack/image.sh
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest tests/unit -q

@@ -107,8 +107,22 @@ def _add_nvml(p: argparse.ArgumentParser, default: str) -> None:
                    help="persist the fake NVML's mutable state (MIG, faults) in FILE")
 
 
+def _version() -> str:
+    """The installed package's version and the machine it runs on: `0.1.0 (aarch64)`."""
+    import importlib.metadata
+    import platform
+
+    try:
+        version = importlib.metadata.version("gpu-node-agent")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return f"{version} ({platform.machine()})"
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gpu-agent", description="Node agent for GPU nodes in Kubernetes.")
+    top.add_argument("--version", action="version", version=f"gpu-agent {_version()}",
+                     help="print the agent's version and the machine it runs on, and exit")
     sub = top.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the agent (device plugin, health)")

@@ -689,7 +689,8 @@ def main() -> int:
     if only is None or args.merge:
         args.doc.parent.mkdir(parents=True, exist_ok=True)
         args.doc.write_text(
-            report.render(page, report.load(report.FLEET), report.load(report.INPUT_COST)))
+            report.render(page, report.load(report.FLEET), report.load(report.INPUT_COST),
+                          report.load(report.IMAGE)))
         written += f" and {args.doc}"
     failed = [f["figure"] for f in figures if f["verdict"] == "fail"]
     print(f"{len(figures)} figures, {len(failed)} over budget; written to {written} ({results['duration_s']:.0f} s)")

@@ -77,6 +77,9 @@ if [ -x hack/kubelet-harness.sh ]; then stage "kubelet harness" hack/kubelet-har
 if [ -x hack/prometheus.sh ]; then stage "prometheus, promtool" hack/prometheus.sh; fi
 stage "cluster packages (containerd, runc, buildah, mmdebstrap)" hack/cluster/packages.sh
 stage "cluster images (base, pause, busybox, agent from the Dockerfile)" hack/cluster/images.sh
+# The agent's image for linux/amd64 and linux/arm64 as one OCI image index (the arm64 half built under qemu);
+# pytest's tests/image then check the index and run the arm64 image's agent under qemu.
+stage "multi-arch image (agent for linux/amd64 and linux/arm64, one OCI image index)" hack/image.sh
 # The end-to-end tests wait on a real kubelet, containerd and pods (little CPU), so they run beside the rest of pytest:
 # the default release's, then the oldest release's that depend on the release, on the one cluster at a time, while
 # pytest runs the default release's suite, then the oldest release's rig tests that depend on the release. The fuzz

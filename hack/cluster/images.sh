@@ -13,8 +13,23 @@
 #                --build-arg PYTHON_IMAGE=<base>; rebuilt whenever agent/, the
 #                locks, pyproject.toml or the Dockerfile change
 #
-# usage: hack/cluster/images.sh
+# With --multiarch (hack/image.sh, `make image`, which first makes arm64
+# programs run here under qemu), also:
+#
+#   base-arm64.tar   the same Debian base for arm64 (mmdebstrap --arch=arm64)
+#   agent-index.tar  the agent for linux/amd64 (the image of agent.tar) and
+#                    linux/arm64 (the Dockerfile built on base-arm64) as one OCI
+#                    image index, what `docker buildx build --platform
+#                    linux/amd64,linux/arm64` pushes
+#
+# usage: hack/cluster/images.sh [--multiarch]
 set -euo pipefail
+multiarch=false
+case ${1:-} in
+    '') ;;
+    --multiarch) multiarch=true ;;
+    *) echo "usage: hack/cluster/images.sh [--multiarch]" >&2; exit 2 ;;
+esac
 # shellcheck source=hack/cluster/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -53,27 +68,32 @@ from_tree() {
 # --- base: Debian minbase with Python, and this machine's CA bundle so pip in
 # the image build verifies TLS the way the machine does ---
 host_ca=/etc/ssl/certs/ca-certificates.crt
-base_stamp=$( { echo "$debian_suite $debian_mirror $base_packages"; cat "$host_ca"; } | sha)
-if current base "$base_stamp"; then
-    clog "base image: up to date"
-else
+# usage: base_image NAME REF STAMP [ARCH]  (ARCH: a foreign Debian architecture; default this machine's)
+base_image() {
+    local name=$1 ref=$2 stamp=$3 arch=${4:-} t0 c
+    if current "$name" "$stamp"; then
+        clog "$name image: up to date"
+        return
+    fi
     t0=$(date +%s.%N)
-    clog "base image: mmdebstrap $debian_suite (about 3 min, network-bound)"
-    tmp=$(mktemp -d "$cache_dir/base.XXXXXX")
+    clog "$name image: mmdebstrap $debian_suite${arch:+ for $arch} (about 3 min, network-bound${arch:+, under qemu})"
+    tmp=$(mktemp -d "$cache_dir/$name.XXXXXX")  # global: the EXIT trap removes it
     trap 'rm -rf "$tmp"' EXIT
-    mmdebstrap --quiet --variant=minbase --include="$base_packages" --format=tar \
+    mmdebstrap --quiet --variant=minbase ${arch:+"--architectures=$arch"} --include="$base_packages" --format=tar \
         "$debian_suite" "$tmp/rootfs.tar" "$debian_mirror"
     c=$(buildah_ from scratch)
     buildah_ add -q "$c" "$tmp/rootfs.tar" / >/dev/null
     buildah_ copy -q "$c" "$host_ca" "$host_ca" >/dev/null
     buildah_ config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        --cmd /bin/bash "$c"
-    buildah_ commit -q --rm "$c" "$base_ref" >/dev/null
-    save base "$base_ref" "$base_stamp"
+        ${arch:+--arch "$arch" --os linux} --cmd /bin/bash "$c"
+    buildah_ commit -q --rm "$c" "$ref" >/dev/null
+    save "$name" "$ref" "$stamp"
     rm -rf "$tmp"
     trap - EXIT
-    clog "base image: built in $(since "$t0") s"
-fi
+    clog "$name image: built in $(since "$t0") s"
+}
+base_stamp=$( { echo "$debian_suite $debian_mirror $base_packages"; cat "$host_ca"; } | sha)
+base_image base "$base_ref" "$base_stamp"
 
 # --- pause ---
 pause_src=$repo_root/hack/cluster/pause.c
@@ -116,13 +136,28 @@ else
 fi
 
 # --- the agent, from the Dockerfile as it is ---
+# usage: build_failure PLATFORM LOG  One line for a failed build: pip's own error where there is one (a wheel
+# missing for the platform, or one whose hash the lock lacks), else the build's last line.
+build_failure() {
+    local platform=$1 log=$2 wheel line
+    if grep -q 'DO NOT MATCH THE HASHES' "$log"; then
+        wheel=$(sed -n '/DO NOT MATCH THE HASHES/,$p' "$log" | grep -m1 -oE '[^/ ]+\.whl' || echo "a wheel")
+        echo "requirements.lock has no hash for $wheel, the wheel pip picked for $platform"
+    elif line=$(grep -m1 -E '^ERROR: ' "$log"); then
+        echo "pip on $platform: ${line#ERROR: }"
+    else
+        tail -n1 "$log"
+    fi
+}
+
+# usage: agent_inputs BASE_STAMP
 agent_inputs() {
     cd "$repo_root"
-    echo "base $base_stamp"
+    echo "base $1"
     find Dockerfile .dockerignore pyproject.toml README.md requirements.lock requirements-build.lock agent \
         -type f ! -path '*/__pycache__/*' ! -name '*.pyc' 2>/dev/null | LC_ALL=C sort | xargs sha256sum
 }
-agent_stamp=$(agent_inputs | sha)
+agent_stamp=$(agent_inputs "$base_stamp" | sha)
 agent_ref=localhost/gpu-node-agent:${agent_stamp:0:12}
 if current agent "$agent_stamp"; then
     clog "agent image: up to date ($agent_ref)"
@@ -132,11 +167,59 @@ else
     # The base comes from buildah's storage; from its archive if the storage was cleared.
     buildah_ inspect --type image "$base_ref" >/dev/null 2>&1 ||
         buildah_ pull -q "oci-archive:$images/base.tar" >/dev/null
-    buildah_ bud -q --network host --layers --build-arg "PYTHON_IMAGE=$base_ref" \
-        -t "$agent_ref" -f "$repo_root/Dockerfile" "$repo_root" >/dev/null
+    # Its output goes to a log, read back as one line on failure; --force-rm: a failed build removes its build
+    # container too, which would otherwise stay mounted.
+    log=$images/agent.log
+    if ! buildah_ bud --network host --layers --force-rm --build-arg "PYTHON_IMAGE=$base_ref" \
+        -t "$agent_ref" -f "$repo_root/Dockerfile" "$repo_root" >"$log" 2>&1; then
+        die "agent image for linux/amd64 failed: $(build_failure linux/amd64 "$log") (the build's output: $log)"
+    fi
+    rm -f "$log"
     save agent "$agent_ref" "$agent_stamp"
     # Only the newest agent image is kept in buildah's storage (its layers stay as a build cache).
     buildah_ images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/gpu-node-agent:' |
-        grep -vxF "$agent_ref" | xargs -r buildah_ rmi -f >/dev/null 2>&1 || true
+        grep -vxF "$agent_ref" | while read -r old; do buildah_ rmi -f "$old" >/dev/null 2>&1 || true; done || true
     clog "agent image: built in $(since "$t0") s"
 fi
+
+$multiarch || exit 0
+
+# --- linux/arm64: the same base for arm64, and the agent from the Dockerfile on it, under qemu ---
+arm64_base_ref=localhost/gpu-node-agent-base:$debian_suite-arm64
+arm64_base_stamp=$( { echo "arm64 $debian_suite $debian_mirror $base_packages"; cat "$host_ca"; } | sha)
+base_image base-arm64 "$arm64_base_ref" "$arm64_base_stamp" arm64
+
+index_stamp=$( { echo "linux/amd64 $agent_stamp"; echo linux/arm64; agent_inputs "$arm64_base_stamp"; } | sha)
+index_ref=localhost/gpu-node-agent:${index_stamp:0:12}
+arm64_ref=localhost/gpu-node-agent-arm64:${index_stamp:0:12}
+if current agent-index "$index_stamp"; then
+    clog "agent image index (linux/amd64, linux/arm64): up to date ($index_ref)"
+    exit 0
+fi
+t0=$(date +%s.%N)
+clog "agent image for linux/arm64: building $arm64_ref from Dockerfile under qemu"
+buildah_ inspect --type image "$arm64_base_ref" >/dev/null 2>&1 ||
+    buildah_ pull -q "oci-archive:$images/base-arm64.tar" >/dev/null
+buildah_ inspect --type image "$agent_ref" >/dev/null 2>&1 ||
+    buildah_ pull -q "oci-archive:$images/agent.tar" >/dev/null
+log=$images/agent-arm64.log
+if ! buildah_ bud --platform linux/arm64 --network host --layers --force-rm \
+    --build-arg "PYTHON_IMAGE=$arm64_base_ref" -t "$arm64_ref" -f "$repo_root/Dockerfile" "$repo_root" \
+    >"$log" 2>&1; then
+    die "agent image for linux/arm64 failed: $(build_failure linux/arm64 "$log") (the build's output: $log)"
+fi
+rm -f "$log"
+rm -f "$images/agent-index.stamp" "$images/agent-index.tar.tmp"
+buildah_ rmi -f "$index_ref" >/dev/null 2>&1 || true
+buildah_ manifest create "$index_ref" >/dev/null
+buildah_ manifest add "$index_ref" "containers-storage:$agent_ref" >/dev/null
+buildah_ manifest add "$index_ref" "containers-storage:$arm64_ref" >/dev/null
+buildah_ manifest push -q --all --format oci "$index_ref" "oci-archive:$images/agent-index.tar.tmp:$index_ref" \
+    >/dev/null
+mv -f "$images/agent-index.tar.tmp" "$images/agent-index.tar"
+printf '%s\n' "$index_ref" >"$images/agent-index.ref"
+printf '%s\n' "$index_stamp" >"$images/agent-index.stamp"
+# Only the newest arm64 image is kept in buildah's storage (its layers stay as a build cache).
+buildah_ images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/gpu-node-agent-arm64:' |
+    grep -vxF "$arm64_ref" | while read -r old; do buildah_ rmi -f "$old" >/dev/null 2>&1 || true; done || true
+clog "agent image index (linux/amd64, linux/arm64): built in $(since "$t0") s ($index_ref)"

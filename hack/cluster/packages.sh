@@ -4,13 +4,16 @@
 # hack/cluster/containerd.sh) and containerd (for its ctr client), buildah and
 # mmdebstrap (the images, with no registry), the CNI plugins, iptables,
 # busybox-static (the test pods' shell), openssl, curl and gcc (the pause
-# binary). Nothing is installed when everything is there.
+# binary). Nothing is installed when everything is there. Given package names, it
+# installs those instead, the same way (hack/image.sh: qemu-user-static and
+# binfmt-support for the arm64 image).
 #
-# usage: hack/cluster/packages.sh
+# usage: hack/cluster/packages.sh [PACKAGE...]
 set -euo pipefail
 
 packages=(containerd runc buildah mmdebstrap containernetworking-plugins iptables busybox-static
           openssl curl gcc libc6-dev iproute2 util-linux)
+(($# == 0)) || packages=("$@")
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f '${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || missing+=("$p")

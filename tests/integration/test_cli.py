@@ -29,6 +29,13 @@ def gpu_agent(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[st
     return subprocess.run([*AGENT, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def test_version_names_the_release_in_pyproject_and_the_machine() -> None:
+    release = next(line.split('"')[1] for line in (Path(__file__).parents[2] / "pyproject.toml").read_text()
+                   .splitlines() if line.startswith("version = "))
+    done = gpu_agent("--version")
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"gpu-agent {release} ({os.uname().machine})\n", "")
+
+
 def test_simulate_json_shows_eight_gpus_for_dgx_h100() -> None:
     done = gpu_agent("simulate", "--node", "dgx-h100", "--json")
     assert done.returncode == 0, done.stderr
