@@ -136,20 +136,6 @@ else
 fi
 
 # --- the agent, from the Dockerfile as it is ---
-# usage: build_failure PLATFORM LOG  One line for a failed build: pip's own error where there is one (a wheel
-# missing for the platform, or one whose hash the lock lacks), else the build's last line.
-build_failure() {
-    local platform=$1 log=$2 wheel line
-    if grep -q 'DO NOT MATCH THE HASHES' "$log"; then
-        wheel=$(sed -n '/DO NOT MATCH THE HASHES/,$p' "$log" | grep -m1 -oE '[^/ ]+\.whl' || echo "a wheel")
-        echo "requirements.lock has no hash for $wheel, the wheel pip picked for $platform"
-    elif line=$(grep -m1 -E '^ERROR: ' "$log"); then
-        echo "pip on $platform: ${line#ERROR: }"
-    else
-        tail -n1 "$log"
-    fi
-}
-
 # usage: agent_inputs BASE_STAMP
 agent_inputs() {
     cd "$repo_root"

@@ -194,3 +194,17 @@ apiserver_ready() {
     in_netns curl -fsS --max-time 2 --cacert "$run_dir/pki/ca.crt" --cert "$run_dir/pki/admin.crt" \
         --key "$run_dir/pki/admin.key" "https://127.0.0.1:$apiserver_port/readyz"
 }
+
+# usage: build_failure PLATFORM LOG  One line for a failed build: pip's own error where there is one (a wheel
+# missing for the platform, or one whose hash the lock lacks), else the build's last line.
+build_failure() {
+    local platform=$1 log=$2 wheel line
+    if grep -q 'DO NOT MATCH THE HASHES' "$log"; then
+        wheel=$(sed -n '/DO NOT MATCH THE HASHES/,$p' "$log" | grep -m1 -oE '[^/ ]+\.whl' || echo "a wheel")
+        echo "requirements.lock has no hash for $wheel, the wheel pip picked for $platform"
+    elif line=$(grep -m1 -E '^ERROR: ' "$log"); then
+        echo "pip on $platform: ${line#ERROR: }"
+    else
+        tail -n1 "$log"
+    fi
+}
