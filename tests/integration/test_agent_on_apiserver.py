@@ -365,6 +365,8 @@ def test_agent_identity_is_refused_what_it_must_not_do(
         "set a foreign label": lambda: core.patch_node(NODE, {"metadata": {"labels": {"team": "evil"}}}),
         "drop a foreign taint": lambda: core.patch_node(NODE, {"spec": {"taints": []}}),
         "cordon the node": lambda: core.patch_node(NODE, {"spec": {"unschedulable": True}}),
+        "cordon a GPU": lambda: core.patch_node(NODE, {"metadata": {"annotations": {
+            "gpu-node-agent.io/cordon": "0"}}}),
         "read secrets": lambda: core.list_namespaced_secret("kube-system"),
         "delete the node": lambda: core.delete_node(NODE),
     }
@@ -375,7 +377,7 @@ def test_agent_identity_is_refused_what_it_must_not_do(
         codes[what] = caught.value.status
     assert codes == {
         "patch another node": 403, "set a foreign label": 403, "drop a foreign taint": 403,
-        "cordon the node": 403, "read secrets": 403, "delete the node": 403,
+        "cordon the node": 403, "cordon a GPU": 403, "read secrets": 403, "delete the node": 403,
     }
     patched = core.patch_node(NODE, {"metadata": {"labels": {"gpu-node-agent.io/probe": "1"}}})
     assert patched.metadata.labels["gpu-node-agent.io/probe"] == "1"
