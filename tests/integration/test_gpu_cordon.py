@@ -193,8 +193,9 @@ async def test_a_layout_for_a_cordoned_gpu_waits_for_its_pod_and_the_new_mig_dev
 
         lister.pods = {}
         await wait_until(lambda: node.view.labels.get("nvidia.com/mig.config.state") == "success", 30, "applied")
-        await wait_until(lambda: len(rig.devices("nvidia.com/mig-1g.10gb")) == 7, 5, "GPU 0's seven MIG devices")
-        assert rig.health("nvidia.com/mig-1g.10gb") == ["Unhealthy"] * 7
+        # The new resource's plugin registers with the kubelet first: its list may take a moment on a busy machine.
+        await wait_until(lambda: rig.health("nvidia.com/mig-1g.10gb") == ["Unhealthy"] * 7, 10,
+                         "GPU 0's seven MIG devices, listed Unhealthy")
         assert rig.health() == ["Healthy"] * 7
 
         await operator_marks(node, None)
