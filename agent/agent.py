@@ -132,7 +132,8 @@ class Agent:
         )
         self.monitor = HealthMonitor(self.backend, bus, self.nvml, footing.events, (self.nvml, footing.events))
         self.telemetry = TelemetryCollector(self.backend, bus, self.nvml, lambda: self.monitor.xid_counts,
-                                            self.nvml.overdue)
+                                            self.nvml.overdue,
+                                            claims=lambda: self.dra.plugin.holders() if self.dra is not None else [])
         self.mig = MigController(self.backend, bus, self.nvml, self.metrics,
                                  lambda: self.dra.plugin.holders() if self.dra is not None else [],
                                  kubelet_dir=options.kubelet_dir)

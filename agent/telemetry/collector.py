@@ -85,10 +85,13 @@ class TelemetryCollector:
 
     def __init__(self, backend: NvmlBackend, bus: StateBus, nvml: NvmlCall,
                  xid_counts: Callable[[], Mapping[tuple[str, int], int]],
-                 late: Callable[[], object] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
+                 late: Callable[[], object] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 claims: Callable[[], list[DeviceHolder]] = list) -> None:
         """`late`: called when a GPU's read is not waited for any longer (NvmlThread.overdue, which sets its worker
         aside so that the next GPU's read does not queue behind it). `clock`: the monotonic clock the GPU-seconds
-        are counted by."""
+        are counted by. `claims`: the devices of the DRA claims prepared on the node (DraKubeletPlugin.holders),
+        counted beside the device plugin's allocations."""
+        self._claims = claims
         self._bus = bus
         self._nvml = nvml
         self._bounded = BoundedCalls(nvml, lambda: bus.current.config.health.nvml_deadline_seconds + 0.5, late)
@@ -152,10 +155,12 @@ class TelemetryCollector:
         return found
 
     def _charge(self, found: list[DeviceHolder] | None, readings: list[DeviceReading]) -> None:
-        """Feed the GPU-seconds ledger what this pass found. A pass without a PodResources listing feeds nothing,
-        so the next pass with one charges the time since the last that had one (up to the ledger's cap)."""
+        """Feed the GPU-seconds ledger what this pass found: the device plugin's allocations and the devices of the
+        prepared DRA claims (their pod label the claim's name). A pass without a PodResources listing feeds
+        nothing, so the next pass with one charges the time since the last that had one (up to the ledger's cap)."""
         if found is None:
             return
+        found = [*found, *self._claims()]
         state = self._bus.current
         shapes = self._shapes
         if shapes is None or shapes[0] is not state:

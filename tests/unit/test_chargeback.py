@@ -21,6 +21,7 @@ from agent.nvml.backend import NvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.nodefile import load_node
 from agent.nvmlthread import NvmlThread
+from agent.podresources import CLAIM, DeviceHolder
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.state import NodeState, StateBus
@@ -222,8 +223,10 @@ class Clock:
 
 
 @asynccontextmanager
-async def telemetry_rig(directory: Path, telemetry: dict[str, object]
+async def telemetry_rig(directory: Path, telemetry: dict[str, object], claims: list[DeviceHolder] | None = None,
                         ) -> AsyncIterator[tuple[TelemetryCollector, Lister, Clock, FakeNvml, StateBus]]:
+    """A telemetry task on a DGX H100 (GPU 2 in a mixed MIG layout, GPU 3 time-sliced by 4) with a stand-in
+    PodResources, a clock the test moves and the prepared DRA claims `claims` (they may change while it runs)."""
     socket = directory / "pr.sock"
     config = parse_config(yaml.safe_dump({"version": "v1", "telemetry": telemetry,
                                           "mig": {"podResourcesSocket": str(socket)},
@@ -236,7 +239,8 @@ async def telemetry_rig(directory: Path, telemetry: dict[str, object]
     bus = StateBus(NodeState(version=1, inventory=backend.inventory(), config=config))
     nvml = NvmlThread()
     clock = Clock()
-    collector = TelemetryCollector(backend, bus, nvml, dict, clock=clock)
+    held = claims if claims is not None else []
+    collector = TelemetryCollector(backend, bus, nvml, dict, clock=clock, claims=lambda: list(held))
     lister = Lister()
     server = grpc.aio.server()
     pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
@@ -313,6 +317,35 @@ async def test_without_chargeback_by_pod_only_namespaces_have_samples() -> None:
         shutil.rmtree(directory, ignore_errors=True)
     assert samples == {"gpu_agent_namespace_gpu_seconds_total": {(("namespace", "research"),): 10.0},
                        "gpu_agent_namespace_idle_gpu_seconds_total": {(("namespace", "research"),): 10.0}}
+
+
+async def test_the_gpus_of_prepared_dra_claims_count_for_the_claims_namespace() -> None:
+    directory = short_dir()
+    claims: list[DeviceHolder] = []
+    try:
+        async with telemetry_rig(directory, {"intervalSeconds": 10, "chargebackByPod": True}, claims) as rig:
+            collector, lister, clock, fake, bus = rig
+            metrics = Metrics()
+            metrics.watch_usage(collector.usage)
+            gpus = [g.uuid for g in bus.current.inventory.gpus]
+            # A claim of two whole GPUs, one of them idle, beside a device plugin pod of another namespace.
+            claims += [DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[5]),
+                       DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[6])]
+            lister.pods[("research", "train")] = {"a": [gpus[0]]}
+            fake.set_workload(5, 0.9)
+            fake.set_workload(6, 0.01)
+            fake.set_workload(0, 0.9)
+            await collector.collect_once()
+            clock.now += 10
+            await collector.collect_once()
+            samples = chargeback_samples(metrics)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert samples["gpu_agent_namespace_gpu_seconds_total"] == {
+        (("namespace", "research"),): 10.0, (("namespace", "vision"),): 20.0}
+    assert samples["gpu_agent_namespace_idle_gpu_seconds_total"] == {
+        (("namespace", "research"),): 0.0, (("namespace", "vision"),): 10.0}
+    assert samples["gpu_agent_pod_gpu_seconds_total"][(("namespace", "vision"), ("pod", "train-gpus-x7k2p"))] == 20
 
 
 # --- config -------------------------------------------------------------------------------------------------------
