@@ -25,6 +25,24 @@ ARCH_LABELS = ("kubernetes.io/arch", "beta.kubernetes.io/arch")
 # Where both renders put the agent: nodes labelled as having GPUs (daemonset/daemonset.yaml), nothing else.
 GPU_NODES = {"nvidia.com/gpu.present": "true"}
 WORKLOADS = ("DaemonSet", "Deployment", "StatefulSet", "Job", "CronJob", "Pod")
+# The taint GKE puts on the nodes of an Arm node pool by default (its node pools' architecture taint behavior,
+# ARM unless set to NONE), and which Alibaba's ACK asks users to put on theirs: a pod without a toleration for it
+# stays off those nodes.
+ARM64_TAINT = {"key": "kubernetes.io/arch", "value": "arm64", "effect": "NoSchedule"}
+
+
+def tolerates(tolerations: list[dict[str, Any]], taint: dict[str, str]) -> bool:
+    """Whether one of the tolerations tolerates the taint, by Kubernetes' matching rules (an empty key with
+    Exists tolerates every taint; an empty effect every effect)."""
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if t.get("operator", "Equal") == "Exists":
+            if not t.get("key") or t["key"] == taint["key"]:
+                return True
+        elif t.get("key") == taint["key"] and t.get("value", "") == taint["value"]:
+            return True
+    return False
 
 
 def build(script: str) -> None:
@@ -97,12 +115,22 @@ def test_the_kustomize_base_runs_on_gpu_nodes_of_any_architecture(kustomize_base
     assert arch_pinning(kustomize_base) == []
     [agent] = daemonsets(kustomize_base)
     assert (pod_spec(agent)["nodeSelector"], pod_spec(agent).get("affinity")) == (GPU_NODES, None)
+    assert tolerates(pod_spec(agent)["tolerations"], ARM64_TAINT)
 
 
 def test_the_chart_runs_on_gpu_nodes_of_any_architecture(chart: list[dict[str, Any]]) -> None:
     assert arch_pinning(chart) == []
     [agent] = daemonsets(chart)
     assert (pod_spec(agent)["nodeSelector"], pod_spec(agent).get("affinity")) == (GPU_NODES, None)
+    assert tolerates(pod_spec(agent)["tolerations"], ARM64_TAINT)
+
+
+def test_the_toleration_check_follows_kubernetes_matching() -> None:
+    assert tolerates([{"operator": "Exists"}], ARM64_TAINT)
+    assert tolerates([{"key": "kubernetes.io/arch", "operator": "Exists"}], ARM64_TAINT)
+    assert not tolerates([{"key": "kubernetes.io/arch", "operator": "Equal", "value": "amd64"}], ARM64_TAINT)
+    assert not tolerates([{"key": "kubernetes.io/arch", "operator": "Exists", "effect": "NoExecute"}], ARM64_TAINT)
+    assert not tolerates([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], ARM64_TAINT)
 
 
 def test_the_check_finds_each_way_of_pinning_an_architecture() -> None:

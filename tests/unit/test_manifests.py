@@ -309,6 +309,7 @@ def test_daemonset_runs_on_gpu_nodes_as_node_critical() -> None:
     assert spec["tolerations"] == [
         {"key": "gpu-node-agent.io/gpu-fault", "operator": "Exists"},
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "kubernetes.io/arch", "operator": "Equal", "value": "arm64", "effect": "NoSchedule"},
     ]
     for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(host_namespace, False), host_namespace
