@@ -260,10 +260,12 @@ class StandInPodResources(pr_grpc.PodResourcesListerServicer):
             for name, held in self.pods.items()])
 
 
+L = TypeVar("L", bound=pr_grpc.PodResourcesListerServicer)
+
+
 @contextlib.asynccontextmanager
-async def pod_resources(socket: Path) -> AsyncIterator[StandInPodResources]:
-    """StandInPodResources serving on the unix socket `socket` until the block ends."""
-    lister = StandInPodResources()
+async def serving_pod_resources(socket: Path, lister: L) -> AsyncIterator[L]:
+    """`lister` (a PodResources v1 Lister) serving on the unix socket `socket` until the block ends."""
     server = grpc.aio.server()
     pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
     server.add_insecure_port(f"unix://{socket}")
@@ -272,6 +274,13 @@ async def pod_resources(socket: Path) -> AsyncIterator[StandInPodResources]:
         yield lister
     finally:
         await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def pod_resources(socket: Path) -> AsyncIterator[StandInPodResources]:
+    """StandInPodResources serving on the unix socket `socket` until the block ends."""
+    async with serving_pod_resources(socket, StandInPodResources()) as lister:
+        yield lister
 
 
 # --- the docs ---------------------------------------------------------------------------------------------------

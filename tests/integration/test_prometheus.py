@@ -30,6 +30,7 @@ from agent.nvml.nodefile import load_node
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import InMemoryNode
+from tests.builders import serving_pod_resources
 from tests.plugin_harness import Rig as AgentRig
 from tests.plugin_harness import carve_mig, running_agent, short_dir, wait_until
 
@@ -327,13 +328,9 @@ async def test_the_chargeback_dashboard_adds_up_what_prometheus_stored() -> None
     query is evaluated at the last scrape, as Grafana evaluates an instant query at the end of its range."""
     directory = short_dir()
     (directory / "pr").mkdir(parents=True)
-    lister = PodResources()
-    server = grpc.aio.server()
-    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    server.add_insecure_port(f"unix://{directory}/pr/pr.sock")
-    await server.start()
     try:
-        async with running_agent("dgx-h100", agent_config(directory), metrics_port=0, directory=directory) as one:
+        async with serving_pod_resources(directory / "pr" / "pr.sock", PodResources()) as lister, \
+                running_agent("dgx-h100", agent_config(directory), metrics_port=0, directory=directory) as one:
             agent, fake = one.agent, one.fake
             assert agent.http is not None
             clock = ManualClock()
@@ -388,7 +385,6 @@ async def test_the_chargeback_dashboard_adds_up_what_prometheus_stored() -> None
                 variables = {v["name"]: v["type"] for v in board["templating"]["list"]}
                 assert variables == {"datasource": "datasource", "node": "query", "cost": "textbox"}
     finally:
-        await server.stop(None)
         shutil.rmtree(directory, ignore_errors=True)
 
 

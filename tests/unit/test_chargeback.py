@@ -8,7 +8,6 @@ import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from fractions import Fraction
-from pathlib import Path
 
 import grpc
 import pytest
@@ -35,7 +34,7 @@ from agent.telemetry.chargeback import (
     shared_replicas,
 )
 from agent.telemetry.collector import TelemetryCollector
-from tests.builders import MIXED_GPU0, node
+from tests.builders import MIXED_GPU0, node, serving_pod_resources
 from tests.plugin_harness import carve_mig, short_dir
 
 HOUR = 3600
@@ -223,10 +222,12 @@ class Clock:
 
 
 @asynccontextmanager
-async def telemetry_rig(directory: Path, telemetry: dict[str, object], claims: list[DeviceHolder] | None = None,
+async def telemetry_rig(telemetry: dict[str, object], claims: list[DeviceHolder] | None = None,
                         ) -> AsyncIterator[tuple[TelemetryCollector, Lister, Clock, FakeNvml, StateBus]]:
     """A telemetry task on a DGX H100 (GPU 2 in a mixed MIG layout, GPU 3 time-sliced by 4) with a stand-in
-    PodResources, a clock the test moves and the prepared DRA claims `claims` (they may change while it runs)."""
+    PodResources, a clock the test moves and the prepared DRA claims `claims` (they may change while it runs), in
+    a short directory of its own, removed afterwards."""
+    directory = short_dir()
     socket = directory / "pr.sock"
     config = parse_config(yaml.safe_dump({"version": "v1", "telemetry": telemetry,
                                           "mig": {"podResourcesSocket": str(socket)},
@@ -241,16 +242,12 @@ async def telemetry_rig(directory: Path, telemetry: dict[str, object], claims: l
     clock = Clock()
     held = claims if claims is not None else []
     collector = TelemetryCollector(backend, bus, nvml, dict, clock=clock, claims=lambda: list(held))
-    lister = Lister()
-    server = grpc.aio.server()
-    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    server.add_insecure_port(f"unix://{socket}")
-    await server.start()
     try:
-        yield collector, lister, clock, fake, bus
+        async with serving_pod_resources(socket, Lister()) as lister:
+            yield collector, lister, clock, fake, bus
     finally:
-        await server.stop(None)
         nvml.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def chargeback_samples(metrics: Metrics) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -263,31 +260,27 @@ def chargeback_samples(metrics: Metrics) -> dict[str, dict[tuple[tuple[str, str]
 
 
 async def test_telemetry_passes_count_gpu_seconds_into_metrics() -> None:
-    directory = short_dir()
-    try:
-        async with telemetry_rig(directory, {"intervalSeconds": 10, "chargebackByPod": True}) as rig:
-            collector, lister, clock, fake, bus = rig
-            metrics = Metrics()
-            metrics.watch_usage(collector.usage)
-            gpus = [g.uuid for g in bus.current.inventory.gpus]
-            mig3g = next(m.uuid for m in bus.current.inventory.mig_devices if m.profile == "3g.40gb")
-            lister.pods[("research", "train")] = {"a": [gpus[0]], "b": [gpus[0], gpus[1]]}
-            lister.pods[("inference", "serve")] = {"main": [mig3g]}
-            lister.pods[("batch", "job")] = {"main": [f"{gpus[3]}::0", f"{gpus[3]}::2"]}
-            fake.set_workload(0, 0.8)
-            fake.set_workload(1, 0.02)  # under 5 %: idle
-            fake.set_workload(3, 0.5)
-            await collector.collect_once()  # the first pass charges nothing
-            assert chargeback_samples(metrics)["gpu_agent_namespace_gpu_seconds_total"] == {
-                (("namespace", "batch"),): 0.0, (("namespace", "inference"),): 0.0,
-                (("namespace", "research"),): 0.0}
-            clock.now += 10
-            await collector.collect_once()
-            clock.now += 15  # a late pass: 15 s
-            await collector.collect_once()
-            samples = chargeback_samples(metrics)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    async with telemetry_rig({"intervalSeconds": 10, "chargebackByPod": True}) as rig:
+        collector, lister, clock, fake, bus = rig
+        metrics = Metrics()
+        metrics.watch_usage(collector.usage)
+        gpus = [g.uuid for g in bus.current.inventory.gpus]
+        mig3g = next(m.uuid for m in bus.current.inventory.mig_devices if m.profile == "3g.40gb")
+        lister.pods[("research", "train")] = {"a": [gpus[0]], "b": [gpus[0], gpus[1]]}
+        lister.pods[("inference", "serve")] = {"main": [mig3g]}
+        lister.pods[("batch", "job")] = {"main": [f"{gpus[3]}::0", f"{gpus[3]}::2"]}
+        fake.set_workload(0, 0.8)
+        fake.set_workload(1, 0.02)  # under 5 %: idle
+        fake.set_workload(3, 0.5)
+        await collector.collect_once()  # the first pass charges nothing
+        assert chargeback_samples(metrics)["gpu_agent_namespace_gpu_seconds_total"] == {
+            (("namespace", "batch"),): 0.0, (("namespace", "inference"),): 0.0,
+            (("namespace", "research"),): 0.0}
+        clock.now += 10
+        await collector.collect_once()
+        clock.now += 15  # a late pass: 15 s
+        await collector.collect_once()
+        samples = chargeback_samples(metrics)
     # 25 s: research 2 GPUs (GPU 1 idle), inference 3/7 (the fake driver keeps a held MIG device busy: not idle;
     # the first pass's reading has no utilization yet, GPM's needing two samples), batch 2 of GPU 3's 4 replicas.
     assert samples["gpu_agent_namespace_gpu_seconds_total"] == {
@@ -301,46 +294,38 @@ async def test_telemetry_passes_count_gpu_seconds_into_metrics() -> None:
 
 
 async def test_without_chargeback_by_pod_only_namespaces_have_samples() -> None:
-    directory = short_dir()
-    try:
-        async with telemetry_rig(directory, {"idleUtilizationThreshold": 0.6}) as rig:
-            collector, lister, clock, fake, bus = rig
-            metrics = Metrics()
-            metrics.watch_usage(collector.usage)
-            lister.pods[("research", "train")] = {"a": [bus.current.inventory.gpus[0].uuid]}
-            fake.set_workload(0, 0.5)  # under the 60 % threshold
-            await collector.collect_once()
-            clock.now += 10
-            await collector.collect_once()
-            samples = chargeback_samples(metrics)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    async with telemetry_rig({"idleUtilizationThreshold": 0.6}) as rig:
+        collector, lister, clock, fake, bus = rig
+        metrics = Metrics()
+        metrics.watch_usage(collector.usage)
+        lister.pods[("research", "train")] = {"a": [bus.current.inventory.gpus[0].uuid]}
+        fake.set_workload(0, 0.5)  # under the 60 % threshold
+        await collector.collect_once()
+        clock.now += 10
+        await collector.collect_once()
+        samples = chargeback_samples(metrics)
     assert samples == {"gpu_agent_namespace_gpu_seconds_total": {(("namespace", "research"),): 10.0},
                        "gpu_agent_namespace_idle_gpu_seconds_total": {(("namespace", "research"),): 10.0}}
 
 
 async def test_the_gpus_of_prepared_dra_claims_count_for_the_claims_namespace() -> None:
-    directory = short_dir()
     claims: list[DeviceHolder] = []
-    try:
-        async with telemetry_rig(directory, {"intervalSeconds": 10, "chargebackByPod": True}, claims) as rig:
-            collector, lister, clock, fake, bus = rig
-            metrics = Metrics()
-            metrics.watch_usage(collector.usage)
-            gpus = [g.uuid for g in bus.current.inventory.gpus]
-            # A claim of two whole GPUs, one of them idle, beside a device plugin pod of another namespace.
-            claims += [DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[5]),
-                       DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[6])]
-            lister.pods[("research", "train")] = {"a": [gpus[0]]}
-            fake.set_workload(5, 0.9)
-            fake.set_workload(6, 0.01)
-            fake.set_workload(0, 0.9)
-            await collector.collect_once()
-            clock.now += 10
-            await collector.collect_once()
-            samples = chargeback_samples(metrics)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    async with telemetry_rig({"intervalSeconds": 10, "chargebackByPod": True}, claims) as rig:
+        collector, lister, clock, fake, bus = rig
+        metrics = Metrics()
+        metrics.watch_usage(collector.usage)
+        gpus = [g.uuid for g in bus.current.inventory.gpus]
+        # A claim of two whole GPUs, one of them idle, beside a device plugin pod of another namespace.
+        claims += [DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[5]),
+                   DeviceHolder("vision", "train-gpus-x7k2p", "", CLAIM, gpus[6])]
+        lister.pods[("research", "train")] = {"a": [gpus[0]]}
+        fake.set_workload(5, 0.9)
+        fake.set_workload(6, 0.01)
+        fake.set_workload(0, 0.9)
+        await collector.collect_once()
+        clock.now += 10
+        await collector.collect_once()
+        samples = chargeback_samples(metrics)
     assert samples["gpu_agent_namespace_gpu_seconds_total"] == {
         (("namespace", "research"),): 10.0, (("namespace", "vision"),): 20.0}
     assert samples["gpu_agent_namespace_idle_gpu_seconds_total"] == {
