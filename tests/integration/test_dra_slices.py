@@ -39,7 +39,7 @@ from agent.nvml.nodefile import load_node
 from agent.podresources_v1 import api_pb2 as pr
 from agent.podresources_v1 import api_pb2_grpc as pr_grpc
 from agent.simulate import StandInKubelet
-from tests.plugin_harness import carve_mig, short_dir
+from tests.plugin_harness import carve_mig, short_dir, wait_until
 from tests.releases import on_by_default, release_name
 
 pytestmark = pytest.mark.matrix  # what the API server does here depends on its release
@@ -317,8 +317,9 @@ async def test_a_mig_layout_change_republishes_the_mig_devices(apiserver: ApiSer
             assert sorted(d["attributes"]["parentIndex"]["int"] for d in after["spec"]["devices"]) == sorted(
                 [i for i in range(8)] * 2)
             assert after["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
-            node = await asyncio.to_thread(core.read_node, "dra-relayout")
-            assert node.metadata.labels["nvidia.com/mig.config.state"] == "success"
+            # The slice and the Node are written by two tasks: the MIG state label may follow the slice by a moment.
+            await wait_until(lambda: core.read_node("dra-relayout").metadata.labels.get("nvidia.com/mig.config.state")
+                             == "success", 10, "the Node's MIG state success", blocking=True)
     finally:
         await server.stop(None)
         shutil.rmtree(root, ignore_errors=True)
